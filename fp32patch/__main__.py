@@ -1,0 +1,4 @@
+from fp32patch.cli import main
+
+if __name__ == "__main__":
+    main()

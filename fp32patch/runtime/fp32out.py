@@ -1,0 +1,62 @@
+"""bf16 x bf16 -> fp32 GEMMs without an fp32 copy of either operand.
+
+CUDA torch has ``torch.mm(a, b, out_dtype=torch.float32)`` for bf16/fp16 operands: the
+tensor cores accumulate in fp32 anyway, so keeping the accumulator costs a few percent
+over the bf16 GEMM and needs no fp32 weight. Where that kernel does not exist (the CPU,
+older torch) the fallback upcasts both operands: bf16 and fp16 values are exact in fp32,
+so the result is the same exact-input, fp32-accumulated product, only slower.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_LOW_PRECISION = ("bfloat16", "float16")
+# (device type, dtype name) -> whether torch.mm(..., out_dtype=float32) works there.
+_SUPPORT: dict[tuple[str, str], bool] = {}
+
+
+def out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` on ``device``.
+
+    Probed once per (device type, dtype) on 1x1 tensors. The probe is never run while a
+    CUDA graph is being captured (it would add work to the graph); during capture an
+    unprobed device counts as unsupported.
+    """
+    import torch
+
+    key = (device.type, str(dtype).removeprefix("torch."))
+    if key in _SUPPORT:
+        return _SUPPORT[key]
+    if key[1] not in _LOW_PRECISION:
+        return False
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        one = torch.ones(1, 1, dtype=dtype, device=device)
+        ok = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, NotImplementedError, RuntimeError):
+        ok = False
+    _SUPPORT[key] = ok
+    return ok
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D low-precision ``a`` and ``b``, accumulated and returned in fp32."""
+    import torch
+
+    if a.dtype == b.dtype and out_dtype_supported(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in fp32 for ``x[..., H]`` and ``weight[V, H]``; no weight copy on CUDA."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = mm(flat, weight.t())
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], out.shape[-1])
