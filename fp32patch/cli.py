@@ -1,0 +1,211 @@
+"""The ``fp32patch`` command: parse, call the engine, render. Nothing else lives here.
+
+Results go to stdout (tables, diffs, or one JSON object with ``--json``); diagnostics go
+to stderr. Colour follows the terminal and ``NO_COLOR``. Exit codes: 0 success, 1 verify
+found a problem, 2 bad usage or input (nothing written), 3 a patch cannot be applied
+(nothing written).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from fp32patch import __version__
+from fp32patch.patcher import engine
+from fp32patch.patcher.spec import SpecError
+
+app = typer.Typer(
+    name="fp32patch",
+    help="Patch vLLM and NeMo-RL sources so both engines compute the LM head in fp32.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+# Piped output is read by people in CI logs and by tools: give tables room, keep diffs raw.
+for _console in (out, err):
+    if not _console.is_terminal:
+        _console.width = 200
+
+SitePackages = Annotated[
+    Optional[list[Path]],
+    typer.Option(
+        "--site-packages",
+        "-s",
+        help="An import root (site-packages, a `pip install --target` folder, a source checkout). "
+        "Repeatable. Default: this interpreter's site-packages.",
+        show_default=False,
+    ),
+]
+PatchIds = Annotated[
+    Optional[list[str]],
+    typer.Option("--patch", "-p", help="Only this patch id (repeatable). Default: every patch.", show_default=False),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+Specs = Annotated[
+    Optional[Path],
+    typer.Option("--specs", help="Load specs from this folder instead of the ones shipped with fp32patch.", show_default=False),
+]
+
+_STYLE = {
+    "applied": "green",
+    "already-applied": "green",
+    "reverted": "green",
+    "would-apply": "cyan",
+    "obsolete": "blue",
+    "not-installed": "dim",
+    "not-applied": "yellow",
+    "drifted": "red",
+    "outdated": "yellow",
+}
+
+
+_GOOD = {"applied", "already-applied", "reverted", "would-apply", "obsolete", "not-installed"}
+_QUIET = {"applied", "already-applied", "not-installed"}
+
+
+def _status_cell(status: str) -> str:
+    return f"[{_STYLE.get(status, 'bold red')}]{status}[/]"
+
+
+def _print_diff(text: str) -> None:
+    if out.is_terminal and not out.no_color:
+        out.print(Syntax(text, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
+    else:  # byte-exact, so `fp32patch diff > change.patch` is a patch
+        out.file.write(text)
+        out.file.flush()
+
+
+def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) -> None:
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        table = Table(show_edge=False, pad_edge=False)
+        for column in ("patch", "status", "version", "file"):
+            table.add_column(column, overflow="fold")
+        for o in report.outcomes:
+            where = o.path or f"{o.target} (looked in {o.root})"
+            table.add_row(o.patch, _status_cell(o.status), o.version or "-", where)
+        if report.outcomes:
+            out.print(table)
+        for o in report.outcomes:
+            if o.message and o.status not in _QUIET:
+                (out if o.status in _GOOD else err).print(f"[bold]{o.patch}[/] ({o.status}): {o.message}", soft_wrap=True)
+            if show_diff and o.diff:
+                _print_diff(o.diff)
+        for note in report.notes:
+            err.print(note)
+    raise typer.Exit(report.exit_code)
+
+
+def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) -> None:
+    try:
+        report = fn(*args, **kwargs)
+    except (engine.UsageError, SpecError) as exc:
+        if as_json:
+            print(json.dumps({"ok": False, "error": str(exc), "patches": []}, indent=2))
+        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(engine.EXIT_USAGE) from None
+    _render(report, as_json=as_json, show_diff=show_diff)
+
+
+@app.command()
+def apply(
+    site_packages: SitePackages = None,
+    patch: PatchIds = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; write nothing.")] = False,
+    as_json: Json = False,
+    specs: Specs = None,
+) -> None:
+    """Apply the patches (all or none per import root; exit 3 and nothing written if an anchor is off)."""
+    _run(engine.apply, patch or [], site_packages or [], dry_run=dry_run, spec_dir=specs, as_json=as_json, show_diff=dry_run)
+
+
+@app.command()
+def verify(site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None) -> None:
+    """Check that every installed target is patched and unchanged since (exit 1 if not)."""
+    _run(engine.status, patch or [], site_packages or [], spec_dir=specs, command="verify", as_json=as_json)
+
+
+@app.command()
+def status(site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None) -> None:
+    """Show each patch's state in each import root (always exit 0 unless the input is bad)."""
+    _run(engine.status, patch or [], site_packages or [], spec_dir=specs, command="status", as_json=as_json)
+
+
+@app.command()
+def revert(
+    site_packages: SitePackages = None,
+    patch: PatchIds = None,
+    force: Annotated[bool, typer.Option("--force", help="Also revert files changed since patching (their bytes are kept).")] = False,
+    as_json: Json = False,
+    specs: Specs = None,
+) -> None:
+    """Restore the exact original bytes of patched files (sha256-checked)."""
+    _run(engine.revert, patch or [], site_packages or [], force=force, spec_dir=specs, as_json=as_json)
+
+
+@app.command()
+def diff(site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None) -> None:
+    """Show each patch as a unified diff: the change it would make, or the one it made."""
+    _run(engine.diff, patch or [], site_packages or [], spec_dir=specs, as_json=as_json, show_diff=True)
+
+
+@app.command(name="list")
+def list_(as_json: Json = False, specs: Specs = None) -> None:
+    """List the patches this fp32patch carries."""
+    try:
+        loaded = engine.spec_table(specs)
+    except engine.UsageError as exc:
+        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(engine.EXIT_USAGE) from None
+    if as_json:
+        rows = [
+            {
+                "id": s.id,
+                "summary": s.summary,
+                "target": f"{s.target.distribution}:{s.target.path}",
+                "versions": str(s.target.versions),
+                "variants": [{"name": v.name, "versions": str(v.versions)} for v in s.variants],
+                "sha256": s.sha256,
+            }
+            for s in loaded
+        ]
+        print(json.dumps({"ok": True, "patches": rows}, indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("patch", "target", "versions", "summary"):
+        table.add_column(column, overflow="fold")
+    for s in loaded:
+        table.add_row(s.id, f"{s.target.distribution}:{s.target.path}", str(s.target.versions) or "any", s.summary)
+    out.print(table)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"fp32patch {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+) -> None:
+    """fp32patch: fp32 LM-head logits for NeMo-RL, patched in at image-build time."""
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)

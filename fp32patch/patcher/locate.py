@@ -1,0 +1,167 @@
+"""Find a spec's target in an import root, without importing anything from it.
+
+An import root is a folder Python would put on ``sys.path``: a site-packages, a
+``pip install --target`` folder, or a source checkout. The distribution's version comes
+from its metadata (``*.dist-info/METADATA``, ``*.egg-info/PKG-INFO``) or, in a checkout,
+from ``pyproject.toml``. An editable install's files live in the project it points to
+(``direct_url.json``); the file's own root is then that project, and so is its state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass
+from email.parser import HeaderParser
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from fp32patch.patcher.spec import Spec
+
+
+class LocateError(ValueError):
+    """An import root cannot be used (missing, not a folder, or a target escapes it)."""
+
+
+@dataclass(frozen=True)
+class Distribution:
+    name: str
+    version: str | None
+    metadata_dir: Path | None  # the .dist-info / .egg-info folder, if any
+    editable_root: Path | None = None  # where an editable install's files are
+
+    @property
+    def record(self) -> Path | None:
+        if self.metadata_dir is None or not self.metadata_dir.name.endswith(".dist-info"):
+            return None
+        record = self.metadata_dir / "RECORD"
+        return record if record.is_file() else None
+
+
+@dataclass(frozen=True)
+class Located:
+    """A spec's target file as found: the root it is relative to, and its release."""
+
+    spec: Spec
+    root: Path  # the folder ``relpath`` is inside; state and lock live here
+    relpath: str  # POSIX
+    distribution: Distribution | None
+    searched_root: Path  # the root the user named (differs from ``root`` for editable installs)
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.relpath
+
+    @property
+    def version(self) -> str | None:
+        return self.distribution.version if self.distribution else None
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def default_roots() -> list[Path]:
+    """The running interpreter's site-packages (purelib and platlib, deduplicated)."""
+    paths = sysconfig.get_paths()
+    roots: list[Path] = []
+    for key in ("purelib", "platlib"):
+        p = Path(paths[key])
+        if p.is_dir() and p not in roots:
+            roots.append(p)
+    return roots or [Path(p) for p in sys.path if p.endswith("site-packages")][:1]
+
+
+def check_root(root: Path) -> Path:
+    if not root.exists():
+        raise LocateError(f"import root {root} does not exist")
+    if not root.is_dir():
+        raise LocateError(f"import root {root} is not a folder")
+    return root.resolve()
+
+
+def find_distribution(root: Path, name: str) -> Distribution | None:
+    want = normalize(name)
+    for meta in sorted(root.glob("*.dist-info")) + sorted(root.glob("*.egg-info")):
+        fname = meta.name.rsplit(".", 1)[0]
+        if normalize(fname.split("-", 1)[0]) != want:
+            continue
+        headers = _read_headers(meta / "METADATA" if meta.suffix == ".dist-info" else meta / "PKG-INFO")
+        if headers is None or normalize(headers.get("Name", "")) != want:
+            continue
+        return Distribution(
+            name=headers.get("Name", name),
+            version=headers.get("Version"),
+            metadata_dir=meta,
+            editable_root=_editable_root(meta),
+        )
+    return None
+
+
+def _read_headers(path: Path) -> dict[str, str] | None:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return dict(HeaderParser().parsestr(text, headersonly=True).items())
+
+
+def _editable_root(meta: Path) -> Path | None:
+    try:
+        info = json.loads((meta / "direct_url.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not (info.get("dir_info") or {}).get("editable"):
+        return None
+    url = urlparse(str(info.get("url", "")))
+    if url.scheme != "file":
+        return None
+    return Path(unquote(url.path))
+
+
+def _checkout_version(root: Path, name: str) -> str | None:
+    """A source checkout's static ``[project] version``, when it names this distribution."""
+    from fp32patch.patcher.spec import tomllib
+
+    try:
+        data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    project = data.get("project") or {}
+    if normalize(str(project.get("name", ""))) != normalize(name):
+        return None
+    version = project.get("version")
+    return str(version) if isinstance(version, str) else None
+
+
+def inside(root: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def locate(spec: Spec, root: Path) -> Located | None:
+    """Where ``spec``'s target is under ``root``; None when it is not installed there."""
+    dist = find_distribution(root, spec.target.distribution)
+    candidates: list[Path] = [root]
+    if dist is not None and dist.editable_root is not None:
+        candidates += [dist.editable_root, dist.editable_root / "src"]
+    for base in candidates:
+        target = base / spec.target.path
+        if not (target.is_file() or target.is_symlink()):
+            continue
+        if target.is_symlink() and not inside(base, target):
+            raise LocateError(
+                f"{target} is a symbolic link to {os.path.realpath(target)}, outside the import root "
+                f"{base}; fp32patch edits files only inside the root it was given"
+            )
+        if dist is None:
+            version = _checkout_version(base, spec.target.distribution)
+            dist = Distribution(spec.target.distribution, version, None) if version else None
+        return Located(spec=spec, root=base, relpath=spec.target.path, distribution=dist, searched_root=root)
+    return None

@@ -1,0 +1,123 @@
+"""The state record: what was patched in one import root, with hashes. Data only; no I/O.
+
+It lives at ``<root>/.fp32patch/manifest.json`` beside the kept originals
+(``originals/<sha256>``). Because the manifest and the originals are read back by
+``revert`` they are input too: every path must stay relative and inside the root,
+every hash must be a sha256, and a manifest from a newer fp32patch is refused rather
+than misread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import PurePosixPath
+
+from packaging.version import InvalidVersion, Version
+
+from fp32patch import __version__
+
+SCHEMA = 1
+STATE_DIR = ".fp32patch"
+MANIFEST = "manifest.json"
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    """The manifest cannot be trusted as it is; the message says which field and why."""
+
+
+@dataclass
+class Entry:
+    patch: str
+    path: str  # POSIX, relative to the root
+    spec_sha256: str
+    distribution: str
+    version: str | None
+    variant: str | None
+    sha256_before: str
+    sha256_after: str
+    mode: int  # permission bits of the file as found
+    record: str | None  # the dist-info RECORD rewritten alongside, relative to the root
+    applied_at: str
+    state: str = "applied"  # "pending" while a transaction is writing
+    tool_version: str = __version__
+
+
+@dataclass
+class Manifest:
+    entries: list[Entry] = field(default_factory=list)
+    tool_version: str = __version__
+
+    def find(self, patch: str, path: str) -> Entry | None:
+        return next((e for e in self.entries if e.patch == patch and e.path == path), None)
+
+    def put(self, entry: Entry) -> None:
+        self.entries = [e for e in self.entries if not (e.patch == entry.patch and e.path == entry.path)]
+        self.entries.append(entry)
+
+    def drop(self, patch: str, path: str) -> None:
+        self.entries = [e for e in self.entries if not (e.patch == patch and e.path == path)]
+
+    def dumps(self) -> bytes:
+        data = {"schema": SCHEMA, "tool": "fp32patch", "tool_version": __version__, "entries": [asdict(e) for e in self.entries]}
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def safe_relpath(value: object, where: str) -> str:
+    """A relative POSIX path that cannot leave the root (no '..', not absolute, no drive)."""
+    if not isinstance(value, str) or not value:
+        raise ManifestError(f"{where}: expected a relative path, got {value!r}")
+    p = PurePosixPath(value)
+    if p.is_absolute() or ".." in p.parts or "\\" in value or ":" in p.parts[0] or "\x00" in value:
+        raise ManifestError(f"{where}: {value!r} is not a relative path inside the import root")
+    return value
+
+
+def _sha(value: object, where: str) -> str:
+    if not isinstance(value, str) or not _SHA_RE.match(value):
+        raise ManifestError(f"{where}: expected a sha256 hex digest, got {value!r}")
+    return value
+
+
+def loads(raw: bytes, where: str) -> Manifest:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc}); it may be truncated or corrupted") from None
+    if not isinstance(data, dict) or data.get("tool") != "fp32patch":
+        raise ManifestError(f"{where}: not an fp32patch manifest")
+    written_by = str(data.get("tool_version", ""))
+    try:
+        newer = Version(written_by) > Version(__version__)
+    except InvalidVersion:
+        raise ManifestError(f"{where}: tool_version {written_by!r} is not a version") from None
+    if data.get("schema") != SCHEMA or newer:
+        raise ManifestError(
+            f"{where}: written by fp32patch {written_by} (schema {data.get('schema')}), newer than this "
+            f"fp32patch {__version__} (schema {SCHEMA}); upgrade fp32patch to use it"
+        )
+    entries_raw = data.get("entries")
+    if not isinstance(entries_raw, list):
+        raise ManifestError(f"{where}: entries: expected a list")
+    entries = []
+    for i, e in enumerate(entries_raw):
+        at = f"{where}: entries[{i}]"
+        if not isinstance(e, dict):
+            raise ManifestError(f"{at}: expected an object")
+        try:
+            entry = Entry(**e)
+        except TypeError as exc:
+            raise ManifestError(f"{at}: {exc}") from None
+        safe_relpath(entry.path, f"{at}.path")
+        if entry.record is not None:
+            safe_relpath(entry.record, f"{at}.record")
+        _sha(entry.sha256_before, f"{at}.sha256_before")
+        _sha(entry.sha256_after, f"{at}.sha256_after")
+        if not isinstance(entry.mode, int) or not 0 <= entry.mode <= 0o7777:
+            raise ManifestError(f"{at}.mode: expected permission bits, got {entry.mode!r}")
+        if entry.state not in ("pending", "applied"):
+            raise ManifestError(f"{at}.state: expected 'pending' or 'applied', got {entry.state!r}")
+        entries.append(entry)
+    return Manifest(entries=entries, tool_version=written_by)

@@ -1,0 +1,246 @@
+"""Anchors: find scopes and code shapes in a libcst tree, formatting-blind.
+
+A scope is a dotted path of class and function names (``NemotronHForCausalLM.compute_logits``);
+``*`` stands for one name and ``**`` for any run of names, so ``**.create_chat_completion``
+finds a route however deeply it is nested. A code pattern is Python with ``...`` holes:
+``raise ValueError(...)`` matches that raise with any arguments. Patterns are compared as
+Python ASTs, so line breaks, parentheses, quotes and comments never decide a match.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import libcst as cst
+
+from fp32patch.patcher.spec import Pattern
+
+# ast types -> the libcst node types that can render to them (a pre-filter; unknown
+# types fall back to every expression or statement).
+_EXPR_TYPES: dict[type, tuple[type, ...]] = {
+    ast.Call: (cst.Call,),
+    ast.Attribute: (cst.Attribute,),
+    ast.Name: (cst.Name,),
+    ast.JoinedStr: (cst.FormattedString, cst.ConcatenatedString),
+    ast.BinOp: (cst.BinaryOperation,),
+    ast.BoolOp: (cst.BooleanOperation,),
+    ast.Compare: (cst.Comparison,),
+    ast.Subscript: (cst.Subscript,),
+    ast.Tuple: (cst.Tuple,),
+    ast.Dict: (cst.Dict,),
+    ast.List: (cst.List,),
+    ast.Await: (cst.Await,),
+}
+_STMT_TYPES: dict[type, tuple[type, ...]] = {
+    ast.If: (cst.If,),
+    ast.Try: (cst.Try,),
+    ast.With: (cst.With,),
+    ast.AsyncWith: (cst.With,),
+    ast.For: (cst.For,),
+    ast.AsyncFor: (cst.For,),
+    ast.While: (cst.While,),
+    ast.FunctionDef: (cst.FunctionDef,),
+    ast.AsyncFunctionDef: (cst.FunctionDef,),
+    ast.ClassDef: (cst.ClassDef,),
+}
+_IGNORED_FIELDS = {"ctx", "type_comment", "kind"}
+
+
+def _is_hole(node: object) -> bool:
+    if isinstance(node, ast.Expr):
+        node = node.value
+    return isinstance(node, ast.Constant) and node.value is Ellipsis
+
+
+def _match_list(pattern: list, nodes: list) -> bool:
+    if not pattern:
+        return not nodes
+    head, rest = pattern[0], pattern[1:]
+    if isinstance(head, ast.AST) and _is_hole(head):
+        return any(_match_list(rest, nodes[i:]) for i in range(len(nodes) + 1))
+    return bool(nodes) and ast_match(head, nodes[0]) and _match_list(rest, nodes[1:])
+
+
+def ast_match(pattern: object, node: object) -> bool:
+    """Structural equality where ``...`` in the pattern stands for anything."""
+    if isinstance(pattern, ast.expr) and _is_hole(pattern):
+        return isinstance(node, ast.AST)
+    if isinstance(pattern, list):
+        return isinstance(node, list) and _match_list(pattern, node)
+    if not isinstance(pattern, ast.AST):
+        return pattern == node
+    if type(pattern) is not type(node):
+        return False
+    if isinstance(pattern, ast.Call) and len(pattern.args) == 1 and _is_hole(pattern.args[0]) and not pattern.keywords:
+        # f(...) is "f called with anything", keywords included
+        return ast_match(pattern.func, node.func)  # type: ignore[attr-defined]
+    for name in pattern._fields:
+        if name in _IGNORED_FIELDS:
+            continue
+        want, got = getattr(pattern, name, None), getattr(node, name, None)
+        if isinstance(pattern, ast.ExceptHandler) and name == "name" and want is None:
+            continue  # `except X:` in a pattern does not care how the handler names it
+        if not ast_match(want, got):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class CodePattern:
+    """A parsed ``match`` string: one expression, one statement, or one except handler."""
+
+    kind: str  # "expr" | "stmt" | "handler"
+    tree: ast.AST
+
+    @classmethod
+    def parse(cls, code: str) -> CodePattern:
+        try:
+            return cls("expr", ast.parse(code.strip(), mode="eval").body)
+        except SyntaxError:
+            pass
+        try:
+            body = ast.parse(code.strip()).body
+            if len(body) == 1:
+                return cls("stmt", body[0])
+            raise ValueError(f"a match pattern is one statement, got {len(body)}")
+        except SyntaxError:
+            pass
+        tree = ast.parse("try:\n    pass\n" + code.strip())
+        handler = tree.body[0].handlers[0]  # type: ignore[attr-defined]
+        return cls("handler", handler)
+
+    def cst_types(self) -> tuple[type, ...]:
+        if self.kind == "expr":
+            return _EXPR_TYPES.get(type(self.tree), (cst.BaseExpression,))
+        if self.kind == "handler":
+            return (cst.ExceptHandler,)
+        compound = _STMT_TYPES.get(type(self.tree))
+        return compound or (cst.SimpleStatementLine,)
+
+    def matches(self, module: cst.Module, node: cst.CSTNode) -> bool:
+        parsed = _as_ast(module, node, self.kind)
+        return parsed is not None and ast_match(self.tree, parsed)
+
+
+def _as_ast(module: cst.Module, node: cst.CSTNode, kind: str) -> ast.AST | None:
+    code = module.code_for_node(node)
+    try:
+        if kind == "expr":
+            return ast.parse(f"(\n{code}\n)", mode="eval").body
+        if kind == "handler":
+            handler = code.lstrip()
+            return ast.parse("try:\n    pass\n" + handler).body[0].handlers[0]  # type: ignore[attr-defined]
+        body = ast.parse(code.lstrip()).body
+    except SyntaxError:
+        return None
+    return body[0] if len(body) == 1 else None
+
+
+def expr_ast(code: str) -> ast.AST:
+    return ast.parse(code.strip(), mode="eval").body
+
+
+def cst_expr_equals(module: cst.Module, node: cst.CSTNode | None, pattern: ast.AST) -> bool:
+    if node is None:
+        return False
+    parsed = _as_ast(module, node, "expr")
+    return parsed is not None and ast_match(pattern, parsed)
+
+
+# ---------------------------------------------------------------- scopes
+
+
+def _scope_matches(pattern: list[str], path: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not path
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_scope_matches(rest, path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatchcase(path[0], head) and _scope_matches(rest, path[1:])
+
+
+def walk(node: cst.CSTNode, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], cst.CSTNode]]:
+    """Every node with the class/def path that encloses it (a def is inside its own path)."""
+    if isinstance(node, (cst.ClassDef, cst.FunctionDef)):
+        path = (*path, node.name.value)
+    yield path, node
+    for child in node.children:
+        yield from walk(child, path)
+
+
+def param_names(func: cst.FunctionDef) -> tuple[str, ...]:
+    p = func.params
+    names = [x.name.value for x in (*p.posonly_params, *p.params)]
+    if isinstance(p.star_arg, cst.Param):
+        names.append("*" + p.star_arg.name.value)
+    names += [x.name.value for x in p.kwonly_params]
+    if p.star_kwarg is not None:
+        names.append("**" + p.star_kwarg.name.value)
+    return tuple(names)
+
+
+def call_args(func: cst.FunctionDef) -> str:
+    """The function's own parameters after the first, forwarded as call arguments."""
+    p = func.params
+    positional = [x.name.value for x in (*p.posonly_params, *p.params)][1:]
+    parts = list(positional)
+    if isinstance(p.star_arg, cst.Param):
+        parts.append("*" + p.star_arg.name.value)
+    parts += [f"{x.name.value}={x.name.value}" for x in p.kwonly_params]
+    if p.star_kwarg is not None:
+        parts.append("**" + p.star_kwarg.name.value)
+    return ", ".join(parts)
+
+
+@dataclass
+class Found:
+    """What one pattern found: the scope nodes, and the matches inside them."""
+
+    scopes: list[cst.CSTNode]
+    near_misses: list[str]  # scopes with the right name but other params, for messages
+    matches: list[cst.CSTNode]
+
+
+def find(module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] | None = None) -> Found:
+    """Resolve ``pattern`` in ``module``: its scopes, then its code matches inside them."""
+    segments = pattern.scope.split(".") if pattern.scope else []
+    scopes: list[cst.CSTNode] = []
+    near: list[str] = []
+    if not segments:
+        scopes = [module]
+    else:
+        for path, node in walk(module):
+            if isinstance(node, (cst.ClassDef, cst.FunctionDef)) and _scope_matches(segments, path):
+                if pattern.params is not None:
+                    if not isinstance(node, cst.FunctionDef):
+                        continue
+                    names = param_names(node)
+                    if names != tuple(pattern.params):
+                        near.append(f"{'.'.join(path)}({', '.join(names)})")
+                        continue
+                scopes.append(node)
+    if pattern.regex is not None:
+        rx = re.compile(pattern.regex)
+        scopes = [s for s in scopes if rx.search(module.code_for_node(s))]
+    matches: list[cst.CSTNode] = []
+    if pattern.match is not None:
+        code = CodePattern.parse(pattern.match)
+        types = match_types or code.cst_types()
+        seen: set[int] = set()
+        for scope in scopes:
+            for _, node in walk(scope):
+                if id(node) in seen or not isinstance(node, types):
+                    continue
+                if code.matches(module, node):
+                    seen.add(id(node))
+                    matches.append(node)
+    return Found(scopes=scopes, near_misses=near, matches=matches)
+
+
+def present(module: cst.Module, pattern: Pattern) -> bool:
+    found = find(module, pattern)
+    return bool(found.matches) if pattern.match is not None else bool(found.scopes)

@@ -1,0 +1,384 @@
+"""The operation vocabulary: each one small class, planned against anchors, applied by one pass.
+
+An operation never walks the tree itself for editing: ``plan`` resolves its anchor in the
+*original* module (so one edit's insertion can never become another edit's anchor) and
+returns changes keyed by the original nodes; ``transform`` applies every change of every
+edit in a single libcst pass. Each inserted or changed statement carries the marker
+comment ``# fp32patch: <spec> [<edit>]``, which is how an applied edit is recognised.
+
+Adding an operation: subclass ``Operation``, give it a ``DESCRIPTION``, a ``validate``
+for its fields and a ``plan``; register it in ``OPERATIONS``; add its table of
+(before, after) and must-not-match cases to tests/test_ops.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import libcst as cst
+
+from fp32patch.patcher.match import CodePattern, call_args, cst_expr_equals, expr_ast, find, walk
+from fp32patch.patcher.spec import Edit
+
+MARKER_RE = re.compile(r"^[ \t]*# fp32patch: (?P<spec>[a-z0-9-]+) \[(?P<edit>[a-z0-9-]+)\]", re.MULTILINE)
+
+Rewrite = Callable[[cst.CSTNode], cst.CSTNode | cst.FlattenSentinel | cst.RemovalSentinel]
+
+
+class AnchorError(Exception):
+    """An anchor matched a number of times other than the one the spec requires."""
+
+    def __init__(self, edit: Edit, code: str, detail: str):
+        super().__init__(detail)
+        self.edit, self.code, self.detail = edit, code, detail
+
+
+@dataclass
+class Change:
+    node: cst.CSTNode  # a node of the original module
+    rewrite: Rewrite  # updated node -> replacement
+
+
+def marker(spec_id: str, edit_id: str) -> str:
+    return f"# fp32patch: {spec_id} [{edit_id}]"
+
+
+def _marked(lines: Sequence[cst.EmptyLine], text: str, *, blank_before: int = 0) -> list[cst.EmptyLine]:
+    return [*lines, *([cst.EmptyLine()] * blank_before), cst.EmptyLine(comment=cst.Comment(text))]
+
+
+def _with_marker(node: cst.CSTNode, text: str, *, blank_before: int = 0) -> cst.CSTNode:
+    if hasattr(node, "leading_lines"):
+        return node.with_changes(leading_lines=_marked(node.leading_lines, text, blank_before=blank_before))
+    raise TypeError(f"cannot mark {type(node).__name__}")
+
+
+def _statements(code: str) -> list[cst.BaseStatement]:
+    return list(cst.parse_module(code.strip("\n") + "\n").body)
+
+
+def _expect(edit: Edit, found: int, what: str, extra: str = "") -> None:
+    if found == edit.count:
+        return
+    code = "anchor-missing" if found < edit.count else "anchor-ambiguous"
+    detail = f"{what} matched {found} time{'s' if found != 1 else ''}, expected {edit.count}"
+    raise AnchorError(edit, code, detail + (f" ({extra})" if extra else ""))
+
+
+def _near(found_near: list[str]) -> str:
+    return "found instead: " + "; ".join(found_near) if found_near else ""
+
+
+def _body_start(block: cst.BaseSuite) -> int:
+    """Index of the first statement after a docstring."""
+    body = list(block.body) if isinstance(block, cst.IndentedBlock) else []
+    if body and isinstance(body[0], cst.SimpleStatementLine) and len(body[0].body) == 1:
+        first = body[0].body[0]
+        if isinstance(first, cst.Expr) and isinstance(first.value, (cst.SimpleString, cst.ConcatenatedString)):
+            return 1
+    return 0
+
+
+def _as_block(suite: cst.BaseSuite) -> cst.IndentedBlock:
+    if isinstance(suite, cst.IndentedBlock):
+        return suite
+    # `def f(): return x` on one line: give it a real block so statements can go in front
+    assert isinstance(suite, cst.SimpleStatementSuite)
+    return cst.IndentedBlock(body=[cst.SimpleStatementLine(body=suite.body)])
+
+
+class Operation:
+    name = ""
+    DESCRIPTION = ""
+
+    def validate(self, edit: Edit, fail: Callable[[str, str], None]) -> None:
+        """Reject a spec whose fields this operation cannot use (raise through ``fail``)."""
+
+    def plan(self, module: cst.Module, edit: Edit, spec_id: str) -> list[Change]:
+        raise NotImplementedError
+
+
+class InsertAfterImports(Operation):
+    name = "insert_after_imports"
+    DESCRIPTION = "Insert module-level statements after the module's leading imports."
+
+    def validate(self, edit, fail):
+        if edit.anchor.scope or edit.anchor.match or edit.anchor.params:
+            fail("scope", "insert_after_imports works on the module; give no scope, match or params")
+
+    def plan(self, module, edit, spec_id):
+        new = _statements(edit.code)
+        defined = _top_level_names(new)
+        clash = sorted(defined & _top_level_names(module.body))
+        if clash:
+            raise AnchorError(edit, "anchor-ambiguous", f"the module already defines {', '.join(clash)}")
+
+        def rewrite(updated: cst.CSTNode) -> cst.CSTNode:
+            assert isinstance(updated, cst.Module)
+            body = list(updated.body)
+            at = _after_imports(body)
+            block = [_with_marker(new[0], marker(spec_id, edit.id), blank_before=2), *new[1:]]
+            if at < len(body):
+                # keep the file's rhythm: two blank lines between our block and what follows
+                follower = body[at]
+                blanks = sum(1 for line in follower.leading_lines if line.comment is None)
+                if blanks < 2:
+                    body[at] = follower.with_changes(
+                        leading_lines=[*([cst.EmptyLine()] * (2 - blanks)), *follower.leading_lines]
+                    )
+            return updated.with_changes(body=[*body[:at], *block, *body[at:]])
+
+        return [Change(module, rewrite)]
+
+
+def _top_level_names(body: Sequence[cst.BaseStatement]) -> set[str]:
+    names: set[str] = set()
+    for stmt in body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            names.add(stmt.name.value)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, (cst.Assign, cst.AnnAssign)):
+                    targets = small.targets if isinstance(small, cst.Assign) else [small]
+                    for t in targets:
+                        if isinstance(t.target, cst.Name):
+                            names.add(t.target.value)
+    return names
+
+
+def _after_imports(body: list[cst.BaseStatement]) -> int:
+    """Position after the last top-level import that comes before the first def or class."""
+    at = _body_start(cst.IndentedBlock(body=body))
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if isinstance(stmt, cst.SimpleStatementLine) and any(
+            isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
+        ):
+            at = i + 1
+    return at
+
+
+class PrependToBody(Operation):
+    name = "prepend_to_body"
+    DESCRIPTION = "Insert statements at the start of a function's body (after its docstring)."
+
+    def validate(self, edit, fail):
+        if not edit.anchor.scope:
+            fail("scope", "prepend_to_body needs the function's scope")
+        if edit.anchor.match:
+            fail("match", "prepend_to_body anchors on its scope alone")
+
+    def plan(self, module, edit, spec_id):
+        found = find(module, edit.anchor)
+        funcs = [s for s in found.scopes if isinstance(s, cst.FunctionDef)]
+        _expect(edit, len(funcs), f"function {edit.anchor.describe()}", _near(found.near_misses))
+        changes = []
+        for func in funcs:
+            assert isinstance(func, cst.FunctionDef)
+            code = edit.code.replace("${call_args}", call_args(func))
+            new = _statements(code)
+            new[0] = _with_marker(new[0], marker(spec_id, edit.id))
+
+            def rewrite(updated: cst.CSTNode, new=new) -> cst.CSTNode:
+                assert isinstance(updated, cst.FunctionDef)
+                block = _as_block(updated.body)
+                at = _body_start(block)
+                body = list(block.body)
+                return updated.with_changes(body=block.with_changes(body=[*body[:at], *new, *body[at:]]))
+
+            changes.append(Change(func, rewrite))
+        return changes
+
+
+class _StatementAnchored(Operation):
+    """Operations anchored on a statement pattern inside a scope."""
+
+    def validate(self, edit, fail):
+        if edit.anchor.match is None:
+            fail("match", f"{self.name} needs a statement pattern to anchor on")
+        elif CodePattern.parse(edit.anchor.match).kind != "stmt":
+            fail("match", f"{self.name} anchors on a statement, got {edit.anchor.match!r}")
+
+    def anchors(self, module: cst.Module, edit: Edit) -> list[cst.CSTNode]:
+        found = find(module, edit.anchor)
+        _expect(edit, len(found.matches), edit.anchor.describe(), _near(found.near_misses))
+        return found.matches
+
+
+class InsertBefore(_StatementAnchored):
+    name = "insert_before"
+    DESCRIPTION = "Insert statements before each matched statement."
+
+    def plan(self, module, edit, spec_id):
+        new = _statements(edit.code)
+
+        def rewrite(updated: cst.CSTNode) -> cst.FlattenSentinel:
+            # the comments above the anchor stay with the block that now starts here
+            lead = list(getattr(updated, "leading_lines", []))
+            first = new[0].with_changes(leading_lines=_marked(lead, marker(spec_id, edit.id)))
+            return cst.FlattenSentinel([first, *new[1:], updated.with_changes(leading_lines=[])])
+
+        return [Change(node, rewrite) for node in self.anchors(module, edit)]
+
+
+class InsertAfter(_StatementAnchored):
+    name = "insert_after"
+    DESCRIPTION = "Insert statements after each matched statement."
+
+    def plan(self, module, edit, spec_id):
+        new = _statements(edit.code)
+        new[0] = _with_marker(new[0], marker(spec_id, edit.id))
+        return [Change(node, lambda updated: cst.FlattenSentinel([updated, *new])) for node in self.anchors(module, edit)]
+
+
+class Replace(Operation):
+    name = "replace"
+    DESCRIPTION = "Replace each matched expression or statement with new code."
+
+    def validate(self, edit, fail):
+        if edit.anchor.match is None:
+            fail("match", "replace needs a pattern to replace")
+            return
+        kind = CodePattern.parse(edit.anchor.match).kind
+        if kind == "handler":
+            fail("match", "replace works on expressions and statements, not except handlers")
+        try:
+            if kind == "expr":
+                cst.parse_expression(edit.code.strip())
+            else:
+                _statements(edit.code)
+        except cst.ParserSyntaxError as exc:
+            fail("code", f"the replacement must be {'an expression' if kind == 'expr' else 'statements'}: {exc.message}")
+
+    def plan(self, module, edit, spec_id):
+        found = find(module, edit.anchor)
+        _expect(edit, len(found.matches), edit.anchor.describe(), _near(found.near_misses))
+        kind = CodePattern.parse(edit.anchor.match or "").kind
+        text = marker(spec_id, edit.id)
+        if kind == "stmt":
+            new = _statements(edit.code)
+
+            def rewrite(updated: cst.CSTNode) -> cst.FlattenSentinel:
+                lead = list(getattr(updated, "leading_lines", []))
+                return cst.FlattenSentinel([new[0].with_changes(leading_lines=_marked(lead, text)), *new[1:]])
+
+            return [Change(node, rewrite) for node in found.matches]
+        expr = cst.parse_expression(edit.code.strip())
+        changes = [Change(node, lambda updated: expr) for node in found.matches]
+        # the marker goes on the statement that holds each replaced expression
+        for stmt in _enclosing_statements(module, found.matches):
+            changes.append(Change(stmt, lambda updated: _with_marker(updated, text)))
+        return changes
+
+
+def _enclosing_statements(module: cst.Module, nodes: list[cst.CSTNode]) -> list[cst.CSTNode]:
+    wanted = {id(n) for n in nodes}
+    out: list[cst.CSTNode] = []
+
+    def visit(node: cst.CSTNode, stmt: cst.CSTNode | None) -> None:
+        if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            stmt = node
+        if id(node) in wanted and stmt is not None and all(stmt is not s for s in out):
+            out.append(stmt)
+        for child in node.children:
+            visit(child, stmt)
+
+    visit(module, None)
+    return out
+
+
+class InsertExceptHandler(Operation):
+    name = "insert_except_handler"
+    DESCRIPTION = "Add except handlers to a try statement, after the handler that catches `catches`."
+
+    def validate(self, edit, fail):
+        if edit.catches is None:
+            fail("catches", "insert_except_handler needs the exception type it inserts after")
+        if edit.anchor.match is not None:
+            fail("match", "insert_except_handler anchors on its scope and `catches`")
+        try:
+            handlers = _handlers(edit.code)
+        except cst.ParserSyntaxError as exc:
+            fail("code", f"must be one or more `except ...:` handlers: {exc.message}")
+            return
+        if not handlers:
+            fail("code", "must be one or more `except ...:` handlers")
+
+    def plan(self, module, edit, spec_id):
+        found = find(module, edit.anchor)
+        want = expr_ast(edit.catches or "")
+        hits: list[tuple[cst.Try, int]] = []
+        for scope in found.scopes:
+            for _, node in walk(scope):
+                if isinstance(node, cst.Try) and all(node is not t for t, _ in hits):
+                    for i, handler in enumerate(node.handlers):
+                        if cst_expr_equals(module, handler.type, want):
+                            hits.append((node, i))
+        what = f"`except {edit.catches}` in {edit.anchor.describe()}"
+        _expect(edit, len(hits), what, _near(found.near_misses))
+        new = _handlers(edit.code)
+        new[0] = _with_marker(new[0], marker(spec_id, edit.id))
+        changes = []
+        for node, index in hits:
+
+            def rewrite(updated: cst.CSTNode, index=index) -> cst.CSTNode:
+                assert isinstance(updated, cst.Try)
+                handlers = list(updated.handlers)
+                return updated.with_changes(handlers=[*handlers[: index + 1], *new, *handlers[index + 1 :]])
+
+            changes.append(Change(node, rewrite))
+        return changes
+
+
+def _handlers(code: str) -> list[cst.ExceptHandler]:
+    tree = cst.parse_module("try:\n    pass\n" + code.strip("\n") + "\n")
+    stmt = tree.body[0]
+    assert isinstance(stmt, cst.Try)
+    return list(stmt.handlers)
+
+
+OPERATIONS: dict[str, Operation] = {
+    op.name: op
+    for op in (
+        InsertAfterImports(),
+        PrependToBody(),
+        InsertBefore(),
+        InsertAfter(),
+        Replace(),
+        InsertExceptHandler(),
+    )
+}
+
+
+class _Apply(cst.CSTTransformer):
+    def __init__(self, changes: list[Change]):
+        super().__init__()
+        self.by_node: dict[int, list[Rewrite]] = {}
+        for change in changes:
+            self.by_node.setdefault(id(change.node), []).append(change.rewrite)
+        self.done: set[int] = set()
+
+    def on_leave(self, original_node, updated_node):
+        rewrites = self.by_node.get(id(original_node))
+        if not rewrites:
+            return updated_node
+        self.done.add(id(original_node))
+        result = updated_node
+        for rewrite in rewrites:
+            if isinstance(result, cst.FlattenSentinel):
+                raise ValueError("two edits rewrite the same statement into several; split the spec's anchors")
+            result = rewrite(result)
+        return result
+
+
+def apply_changes(module: cst.Module, changes: list[Change]) -> cst.Module:
+    transformer = _Apply(changes)
+    result = module.visit(transformer)
+    missed = set(transformer.by_node) - transformer.done
+    if missed:  # an anchor inside a replaced subtree: the spec's edits overlap
+        raise ValueError("edits overlap: one edit replaces code another edit anchors on")
+    assert isinstance(result, cst.Module)
+    return result
