@@ -2,5 +2,56 @@
 
 from __future__ import annotations
 
-# tests/heavy/<env>/ run under their own interpreters (see Makefile, tests/envs/build.py).
-collect_ignore = ["heavy"]
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+# tests/heavy/<dir>/ run under their own interpreters (see Makefile, tests/envs/build.py);
+# a run that names them explicitly still collects them.
+collect_ignore = [] if os.environ.get("FP32PATCH_HEAVY") else ["heavy"]
+
+NEMOTRON = "vllm/model_executor/models/nemotron_h.py"
+
+
+class Cli:
+    """Runs the fp32patch CLI in-process, the way a user's shell would see it."""
+
+    def __init__(self) -> None:
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str, env: dict | None = None):
+        from fp32patch.cli import app
+
+        result = self.runner.invoke(app, [str(a) for a in args], env=env, catch_exceptions=False)
+        return result
+
+    def json(self, *args: str):
+        result = self(*args, "--json")
+        return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.fixture
+def cli() -> Cli:
+    return Cli()
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (symlinks by target), for "nothing changed" checks."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "-> " + os.readlink(path)
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.is_dir():
+            out[rel] = "dir"
+    return out
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -163,13 +163,55 @@ def _scope_matches(pattern: list[str], path: tuple[str, ...]) -> bool:
     return bool(path) and fnmatchcase(path[0], head) and _scope_matches(rest, path[1:])
 
 
+class _Collect(cst.CSTVisitor):
+    """One traversal that records every node (``node.children`` re-visits per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.nodes.append(node)
+        return True
+
+
+def descendants(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """``node`` and every node below it, in source order."""
+    collect = _Collect()
+    node.visit(collect)
+    return collect.nodes
+
+
+def _statement_bodies(stmt: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """The statements directly inside a compound statement (all of its blocks), in order."""
+    parts: list[object] = [getattr(stmt, "body", None)]
+    if isinstance(stmt, (cst.Try, cst.TryStar)):
+        parts += [h.body for h in stmt.handlers]
+    if isinstance(stmt, cst.Match):
+        parts += [case.body for case in stmt.cases]
+    orelse = getattr(stmt, "orelse", None)
+    parts.append(orelse if isinstance(orelse, cst.If) else getattr(orelse, "body", None))
+    parts.append(getattr(getattr(stmt, "finalbody", None), "body", None))
+    for part in parts:
+        if isinstance(part, cst.If):
+            yield part  # an elif: walked as a statement of its own
+        elif isinstance(part, cst.IndentedBlock):
+            yield from part.body
+
+
 def walk(node: cst.CSTNode, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], cst.CSTNode]]:
-    """Every node with the class/def path that encloses it (a def is inside its own path)."""
+    """Every statement with the class/def path that encloses it (a def is inside its own path).
+
+    Only statements are visited: classes and functions can only be statements, so scope
+    finding never needs to look inside expressions.
+    """
     if isinstance(node, (cst.ClassDef, cst.FunctionDef)):
         path = (*path, node.name.value)
     yield path, node
-    for child in node.children:
-        yield from walk(child, path)
+    children = node.body if isinstance(node, cst.Module) else _statement_bodies(node)
+    for child in children:
+        if isinstance(child, cst.BaseCompoundStatement):
+            yield from walk(child, path)
 
 
 def param_names(func: cst.FunctionDef) -> tuple[str, ...]:
@@ -232,7 +274,7 @@ def find(module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] 
         types = match_types or code.cst_types()
         seen: set[int] = set()
         for scope in scopes:
-            for _, node in walk(scope):
+            for node in descendants(scope):
                 if id(node) in seen or not isinstance(node, types):
                     continue
                 if code.matches(module, node):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from fp32patch.patcher.match import CodePattern, call_args, cst_expr_equals, expr_ast, find, walk
+from fp32patch.patcher.match import CodePattern, call_args, cst_expr_equals, descendants, expr_ast, find
 from fp32patch.patcher.spec import Edit
 
 MARKER_RE = re.compile(r"^[ \t]*# fp32patch: (?P<spec>[a-z0-9-]+) \[(?P<edit>[a-z0-9-]+)\]", re.MULTILINE)
@@ -274,20 +274,28 @@ class Replace(Operation):
         return changes
 
 
-def _enclosing_statements(module: cst.Module, nodes: list[cst.CSTNode]) -> list[cst.CSTNode]:
-    wanted = {id(n) for n in nodes}
-    out: list[cst.CSTNode] = []
+class _Enclosing(cst.CSTVisitor):
+    def __init__(self, wanted: set[int]):
+        super().__init__()
+        self.wanted, self.stack, self.found = wanted, [], []
 
-    def visit(node: cst.CSTNode, stmt: cst.CSTNode | None) -> None:
+    def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
-            stmt = node
-        if id(node) in wanted and stmt is not None and all(stmt is not s for s in out):
-            out.append(stmt)
-        for child in node.children:
-            visit(child, stmt)
+            self.stack.append(node)
+        if id(node) in self.wanted and self.stack and all(self.stack[-1] is not s for s in self.found):
+            self.found.append(self.stack[-1])
+        return True
 
-    visit(module, None)
-    return out
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        if self.stack and self.stack[-1] is original_node:
+            self.stack.pop()
+
+
+def _enclosing_statements(module: cst.Module, nodes: list[cst.CSTNode]) -> list[cst.CSTNode]:
+    """The innermost statement holding each node, once each."""
+    visitor = _Enclosing({id(n) for n in nodes})
+    module.visit(visitor)
+    return visitor.found
 
 
 class InsertExceptHandler(Operation):
@@ -312,7 +320,7 @@ class InsertExceptHandler(Operation):
         want = expr_ast(edit.catches or "")
         hits: list[tuple[cst.Try, int]] = []
         for scope in found.scopes:
-            for _, node in walk(scope):
+            for node in descendants(scope):
                 if isinstance(node, cst.Try) and all(node is not t for t, _ in hits):
                     for i, handler in enumerate(node.handlers):
                         if cst_expr_equals(module, handler.type, want):

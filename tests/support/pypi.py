@@ -1,0 +1,129 @@
+"""Real upstream artifacts for tests: release files read straight out of PyPI wheels.
+
+A vLLM wheel is 250-400 MB; the tests need a few of its members. ``wheel_members``
+reads the wheel's zip directory and just those members over HTTP range requests (about
+a second per release) and caches them under ``$FP32PATCH_TEST_CACHE``; ``wheel_file``
+downloads a whole wheel with pip, for the tests that install it as a real import root.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+import zipfile
+from pathlib import Path
+
+INDEX = os.environ.get("FP32PATCH_TEST_INDEX", "https://pypi.org/simple")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FP32PATCH_TEST_CACHE", Path.home() / ".cache" / "fp32patch-tests"))
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of a remote file, one HTTP range request per read."""
+
+    def __init__(self, url: str):
+        self.url, self.pos = url, 0
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as r:
+            self.size = int(r.headers["Content-Length"])
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        if self.pos >= self.size or not len(buffer):
+            return 0
+        end = min(self.size, self.pos + len(buffer)) - 1
+        request = urllib.request.Request(self.url, headers={"Range": f"bytes={self.pos}-{end}"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            data = r.read()
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _wheel_url(project: str, version: str) -> tuple[str, str]:
+    request = urllib.request.Request(f"{INDEX}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        files = json.load(r)["files"]
+    prefix = f"{project.replace('-', '_')}-{version}-"
+    wheels = [f for f in files if f["filename"].startswith(prefix) and f["filename"].endswith(".whl") and not f.get("yanked")]
+    linux = [f for f in wheels if "x86_64" in f["filename"]] or wheels
+    if not linux:
+        raise LookupError(f"no wheel of {project}=={version} on {INDEX}")
+    return linux[0]["url"], linux[0]["filename"]
+
+
+def wheel_members(project: str, version: str, members: list[str]) -> Path:
+    """A folder holding ``members`` of ``project==version``'s wheel plus its .dist-info."""
+    dest = cache_root() / "wheel-members" / f"{project}-{version}"
+    stamp = dest / ".complete"
+    want = sorted(members)
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return dest
+    url, _ = _wheel_url(project, version)
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(io.BufferedReader(_RangeFile(url), buffer_size=1 << 16)) as wheel:
+        names = wheel.namelist()
+        info = [n for n in names if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] in ("METADATA", "RECORD", "WHEEL")]
+        for name in [*(m for m in want if m in names), *info]:
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(wheel.read(name))
+    (tmp / ".complete").write_text(json.dumps(want))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def import_root_from_members(project: str, version: str, members: list[str], where: Path) -> Path:
+    """Lay ``members`` (and the dist-info) out in ``where`` as an installed import root."""
+    src = wheel_members(project, version, members)
+    for path in src.rglob("*"):
+        if path.is_file() and path.name != ".complete":
+            target = where / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    return where
+
+
+def wheel_file(project: str, version: str) -> Path:
+    """The whole wheel, downloaded once with pip into the test cache."""
+    folder = cache_root() / "wheels"
+    prefix = f"{project.replace('-', '_')}-{version}-"
+    found = sorted(folder.glob(f"{prefix}*.whl")) if folder.exists() else []
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(folder), f"{project}=={version}"],
+        check=True,
+    )
+    return sorted(folder.glob(f"{prefix}*.whl"))[0]
+
+
+def pip_install_target(project: str, version: str, where: Path) -> Path:
+    """``pip install --no-deps --target where project==version``: a real import root."""
+    wheel = wheel_file(project, version)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(where), str(wheel)],
+        check=True,
+    )
+    return where
