@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -37,7 +37,7 @@ for _console in (out, err):
         _console.width = 200
 
 SitePackages = Annotated[
-    Optional[list[Path]],
+    list[Path] | None,
     typer.Option(
         "--site-packages",
         "-s",
@@ -47,13 +47,15 @@ SitePackages = Annotated[
     ),
 ]
 PatchIds = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--patch", "-p", help="Only this patch id (repeatable). Default: every patch.", show_default=False),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
 Specs = Annotated[
-    Optional[Path],
-    typer.Option("--specs", help="Load specs from this folder instead of the ones shipped with fp32patch.", show_default=False),
+    Path | None,
+    typer.Option(
+        "--specs", help="Load specs from this folder instead of the ones shipped with fp32patch.", show_default=False
+    ),
 ]
 
 _STYLE = {
@@ -99,7 +101,9 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
             out.print(table)
         for o in report.outcomes:
             if o.message and o.status not in _QUIET:
-                (out if o.status in _GOOD else err).print(f"[bold]{o.patch}[/] ({o.status}): {o.message}", soft_wrap=True)
+                (out if o.status in _GOOD else err).print(
+                    f"[bold]{o.patch}[/] ({o.status}): {o.message}", soft_wrap=True
+                )
             if show_diff and o.diff:
                 _print_diff(o.diff)
         for note in report.notes:
@@ -127,17 +131,29 @@ def apply(
     specs: Specs = None,
 ) -> None:
     """Apply the patches (all or none per import root; exit 3 and nothing written if an anchor is off)."""
-    _run(engine.apply, patch or [], site_packages or [], dry_run=dry_run, spec_dir=specs, as_json=as_json, show_diff=dry_run)
+    _run(
+        engine.apply,
+        patch or [],
+        site_packages or [],
+        dry_run=dry_run,
+        spec_dir=specs,
+        as_json=as_json,
+        show_diff=dry_run,
+    )
 
 
 @app.command()
-def verify(site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None) -> None:
+def verify(
+    site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None
+) -> None:
     """Check that every installed target is patched and unchanged since (exit 1 if not)."""
     _run(engine.status, patch or [], site_packages or [], spec_dir=specs, command="verify", as_json=as_json)
 
 
 @app.command()
-def status(site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None) -> None:
+def status(
+    site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None
+) -> None:
     """Show each patch's state in each import root (always exit 0 unless the input is bad)."""
     _run(engine.status, patch or [], site_packages or [], spec_dir=specs, command="status", as_json=as_json)
 
@@ -146,7 +162,9 @@ def status(site_packages: SitePackages = None, patch: PatchIds = None, as_json: 
 def revert(
     site_packages: SitePackages = None,
     patch: PatchIds = None,
-    force: Annotated[bool, typer.Option("--force", help="Also revert files changed since patching (their bytes are kept).")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Also revert files changed since patching (their bytes are kept).")
+    ] = False,
     as_json: Json = False,
     specs: Specs = None,
 ) -> None:
@@ -155,7 +173,9 @@ def revert(
 
 
 @app.command()
-def diff(site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None) -> None:
+def diff(
+    site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None
+) -> None:
     """Show each patch as a unified diff: the change it would make, or the one it made."""
     _run(engine.diff, patch or [], site_packages or [], spec_dir=specs, as_json=as_json, show_diff=True)
 
@@ -198,7 +218,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+    version: Annotated[
+        bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = None,
 ) -> None:
     """fp32patch: fp32 LM-head logits for NeMo-RL, patched in at image-build time."""
 

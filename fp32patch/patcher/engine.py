@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,7 +208,9 @@ def _classify(t: _Target, data: bytes, manifest: mf.Manifest) -> Outcome:
     return _outcome(t, NOT_APPLIED, details=details, message=message)
 
 
-def status(ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = None, command: str = "status") -> Report:
+def status(
+    ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = None, command: str = "status"
+) -> Report:
     """Each patch's state in each root. ``verify`` fails (exit 1) unless all are good."""
     specs = select_specs(ids, spec_dir)
     outcomes: list[Outcome] = []
@@ -292,9 +294,10 @@ def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, s
 
     planned: list[tuple[Path, list[tuple[_Target, Result, bytes]]]] = []
     refused = False
+    # First every result, without writing: one refusal anywhere means nothing is written.
+    # The writes re-read and re-transform under each root's lock (another process may
+    # have patched in between).
     for root, group in by_root.items():
-        # hold the root's lock from reading to writing, so concurrent applies serialise
-        state = StateDir(root)
         results = []
         for t in group:
             assert t.located is not None
@@ -344,14 +347,18 @@ def _commit_apply(root: Path, group: list[_Target]) -> list[Outcome]:
                 else:
                     outcomes.append(_outcome(t, result.status, message=result.message, variant=result.variant))
             if any(o.status in ERRORS for o in outcomes):
-                return outcomes + [_outcome(t, "not-applied", message="another patch in this root was refused") for t, _ in pending]
+                return outcomes + [
+                    _outcome(t, "not-applied", message="another patch in this root was refused") for t, _ in pending
+                ]
             Transaction(root).commit(writes, manifest)
     except TransactionError as exc:
         raise UsageError(f"nothing was changed in {root}: {exc.strerror or exc}") from None
     except PermissionError as exc:
         raise UsageError(f"cannot write in {root}: {exc.strerror} ({exc.filename}); nothing was changed") from None
     for t, result in pending:
-        outcomes.append(_outcome(t, "applied", message=result.message, variant=result.variant, details={"edits": result.edits}))
+        outcomes.append(
+            _outcome(t, "applied", message=result.message, variant=result.variant, details={"edits": result.edits})
+        )
     return outcomes
 
 
@@ -391,7 +398,9 @@ def revert(ids: Sequence[str], roots: Sequence[Path], *, force: bool = False, sp
                 if refused:
                     outcomes += done
                     continue
-                displaced = Transaction(root).commit([w for w in writes if w.after != w.before], manifest) if writes else []
+                displaced = (
+                    Transaction(root).commit([w for w in writes if w.after != w.before], manifest) if writes else []
+                )
                 if any(w.after == w.before for w in writes):
                     for w in writes:
                         if w.after == w.before and w.drop:
@@ -407,7 +416,11 @@ def revert(ids: Sequence[str], roots: Sequence[Path], *, force: bool = False, sp
     if not outcomes:
         return Report("revert", [], EXIT_OK, notes=["nothing to revert: no patched target found"])
     code = EXIT_REFUSED if refused else EXIT_OK
-    notes = ["nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"] if refused else []
+    notes = (
+        ["nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"]
+        if refused
+        else []
+    )
     return Report("revert", outcomes, code, notes=notes)
 
 
@@ -466,7 +479,11 @@ def diff(ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = N
             continue
         result = transform(t.spec, data, path=loc.relpath, version=loc.version)
         if result.status == "applied":
-            outcomes.append(_outcome(t, NOT_APPLIED, variant=result.variant, diff=unified_diff(data, result.new or b"", loc.relpath)))
+            outcomes.append(
+                _outcome(
+                    t, NOT_APPLIED, variant=result.variant, diff=unified_diff(data, result.new or b"", loc.relpath)
+                )
+            )
         else:
             refused |= result.status in ERRORS
             outcomes.append(_outcome(t, result.status, message=result.message))
@@ -478,7 +495,3 @@ def spec_table(spec_dir: Path | None = None) -> list[Spec]:
         return load_specs(spec_dir)
     except SpecError as exc:
         raise UsageError(str(exc)) from None
-
-
-def iter_env_roots(paths: Iterable[Path]) -> list[Path]:
-    return [Path(p) for p in paths]

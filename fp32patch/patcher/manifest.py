@@ -61,7 +61,12 @@ class Manifest:
         self.entries = [e for e in self.entries if not (e.patch == patch and e.path == path)]
 
     def dumps(self) -> bytes:
-        data = {"schema": SCHEMA, "tool": "fp32patch", "tool_version": __version__, "entries": [asdict(e) for e in self.entries]}
+        data = {
+            "schema": SCHEMA,
+            "tool": "fp32patch",
+            "tool_version": __version__,
+            "entries": [asdict(e) for e in self.entries],
+        }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 

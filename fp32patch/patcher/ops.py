@@ -89,12 +89,20 @@ def _as_block(suite: cst.BaseSuite) -> cst.IndentedBlock:
     return cst.IndentedBlock(body=[cst.SimpleStatementLine(body=suite.body)])
 
 
+def _check_statements(edit: Edit, fail: Callable[[str, str], None]) -> None:
+    try:
+        _statements(edit.code.replace("${call_args}", "_args"))
+    except cst.ParserSyntaxError as exc:
+        fail("code", f"not valid Python statements: {exc.message} (line {exc.raw_line})")
+
+
 class Operation:
     name = ""
     DESCRIPTION = ""
 
     def validate(self, edit: Edit, fail: Callable[[str, str], None]) -> None:
         """Reject a spec whose fields this operation cannot use (raise through ``fail``)."""
+        _check_statements(edit, fail)
 
     def plan(self, module: cst.Module, edit: Edit, spec_id: str) -> list[Change]:
         raise NotImplementedError
@@ -105,6 +113,7 @@ class InsertAfterImports(Operation):
     DESCRIPTION = "Insert module-level statements after the module's leading imports."
 
     def validate(self, edit, fail):
+        _check_statements(edit, fail)
         if edit.anchor.scope or edit.anchor.match or edit.anchor.params:
             fail("scope", "insert_after_imports works on the module; give no scope, match or params")
 
@@ -166,6 +175,7 @@ class PrependToBody(Operation):
     DESCRIPTION = "Insert statements at the start of a function's body (after its docstring)."
 
     def validate(self, edit, fail):
+        _check_statements(edit, fail)
         if not edit.anchor.scope:
             fail("scope", "prepend_to_body needs the function's scope")
         if edit.anchor.match:
@@ -197,6 +207,7 @@ class _StatementAnchored(Operation):
     """Operations anchored on a statement pattern inside a scope."""
 
     def validate(self, edit, fail):
+        _check_statements(edit, fail)
         if edit.anchor.match is None:
             fail("match", f"{self.name} needs a statement pattern to anchor on")
         elif CodePattern.parse(edit.anchor.match).kind != "stmt":
@@ -231,7 +242,9 @@ class InsertAfter(_StatementAnchored):
     def plan(self, module, edit, spec_id):
         new = _statements(edit.code)
         new[0] = _with_marker(new[0], marker(spec_id, edit.id))
-        return [Change(node, lambda updated: cst.FlattenSentinel([updated, *new])) for node in self.anchors(module, edit)]
+        return [
+            Change(node, lambda updated: cst.FlattenSentinel([updated, *new])) for node in self.anchors(module, edit)
+        ]
 
 
 class Replace(Operation):
@@ -251,7 +264,9 @@ class Replace(Operation):
             else:
                 _statements(edit.code)
         except cst.ParserSyntaxError as exc:
-            fail("code", f"the replacement must be {'an expression' if kind == 'expr' else 'statements'}: {exc.message}")
+            fail(
+                "code", f"the replacement must be {'an expression' if kind == 'expr' else 'statements'}: {exc.message}"
+            )
 
     def plan(self, module, edit, spec_id):
         found = find(module, edit.anchor)

@@ -317,7 +317,10 @@ def parse_spec(text: str, source: str) -> Spec:
     for i, ot in enumerate(top.tables("obsolete_when")):
         of = _Fields(source, f"obsolete_when[{i}]", ot)
         name = of.string("name", required=True) or ""
-        pats = tuple(_pattern(_Fields(source, f"obsolete_when[{i}].patterns[{j}]", p)) for j, p in enumerate(of.tables("patterns")))
+        pats = tuple(
+            _pattern(_Fields(source, f"obsolete_when[{i}].patterns[{j}]", p))
+            for j, p in enumerate(of.tables("patterns"))
+        )
         if not pats:
             of.fail("patterns", "needs at least one pattern")
         of.done()

@@ -325,4 +325,3 @@ class Transaction:
 def describe_os_error(exc: OSError) -> str:
     where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
     return f"{exc.strerror or exc}{where}"
-

@@ -64,7 +64,9 @@ def transform(spec: Spec, source: bytes, *, path: str, version: str | None) -> R
         return Result(spec_id=spec.id, path=path, version=version, status=status, **kw)
 
     def refuse(status: str, detail: str, *, anchor: str | None = None, variant: str | None = None) -> Result:
-        release = f"{spec.target.distribution} {version}" if version else f"{spec.target.distribution} (version unknown)"
+        release = (
+            f"{spec.target.distribution} {version}" if version else f"{spec.target.distribution} (version unknown)"
+        )
         message = f"{spec.id}: cannot patch {path} ({release}): {detail}"
         return result(status, message=message, anchor=anchor, variant=variant)
 
@@ -133,7 +135,9 @@ def _apply_variant(spec: Spec, variant: Variant, module: cst.Module, result, ref
             )
         performed.append(edit.id)
     if not performed:
-        return result(OBSOLETE, variant=variant.name, skipped=skipped, message=f"{spec.id}: every part is already fixed upstream")
+        return result(
+            OBSOLETE, variant=variant.name, skipped=skipped, message=f"{spec.id}: every part is already fixed upstream"
+        )
     try:
         new_module = ops.apply_changes(module, changes)
     except ValueError as exc:
@@ -151,8 +155,7 @@ def _apply_variant(spec: Spec, variant: Variant, module: cst.Module, result, ref
 
 
 def _check_output(text: str, spec: Spec, variant: Variant, performed: list[str]) -> None:
-    """The new text must parse, compile and carry a marker for each edit: else it is our bug."""
-    cst.parse_module(text)
+    """The new text must compile and carry a marker for each edit: else it is our bug."""
     compile(text, f"<{spec.id}>", "exec", dont_inherit=True)
     missing = set(performed) - markers_in(text, spec.id)
     if missing:

@@ -55,7 +55,9 @@ def requested_way(environ: Any = None) -> str | None:
     if value in OFF_VALUES:
         return None
     if value not in WAYS:
-        raise ValueError(f"{ENV}={value!r} is not a valid value; use one of {', '.join(VALID_VALUES)} (unset or 0 is off)")
+        raise ValueError(
+            f"{ENV}={value!r} is not a valid value; use one of {', '.join(VALID_VALUES)} (unset or 0 is off)"
+        )
     return WAYS[value]
 
 
@@ -88,7 +90,11 @@ def resolve_heads(model: Any) -> list[Any]:
         seen.add(id(module))
         if _has_head(module):
             return [module]
-        module = _unwrap(getattr(module, "language_model", None)) if getattr(module, "language_model", None) is not None else None
+        module = (
+            _unwrap(getattr(module, "language_model", None))
+            if getattr(module, "language_model", None) is not None
+            else None
+        )
     root = _unwrap(model)
     found = [m for _, m in root.named_modules() if _has_head(m)] if hasattr(root, "named_modules") else []
     if not found:
@@ -153,7 +159,11 @@ def _decide(owner: Any, requested: str, hidden_dtype: torch.dtype) -> tuple[str,
     else:
         way = requested
     if way == "fp32out":
-        how = "bf16 GEMM with fp32 output" if supported else "exact upcast per call (this torch has no out_dtype kernel here)"
+        how = (
+            "bf16 GEMM with fp32 output"
+            if supported
+            else "exact upcast per call (this torch has no out_dtype kernel here)"
+        )
         return "fp32out", f"fp32 logits by fp32out: {how}, no weight copy"
     return "copy", "fp32 logits by copy: an fp32 copy of the weight, rebuilt after every refit"
 

@@ -63,7 +63,9 @@ def _wheel_url(project: str, version: str) -> tuple[str, str]:
     with urllib.request.urlopen(request, timeout=60) as r:
         files = json.load(r)["files"]
     prefix = f"{project.replace('-', '_')}-{version}-"
-    wheels = [f for f in files if f["filename"].startswith(prefix) and f["filename"].endswith(".whl") and not f.get("yanked")]
+    wheels = [
+        f for f in files if f["filename"].startswith(prefix) and f["filename"].endswith(".whl") and not f.get("yanked")
+    ]
     linux = [f for f in wheels if "x86_64" in f["filename"]] or wheels
     if not linux:
         raise LookupError(f"no wheel of {project}=={version} on {INDEX}")
@@ -82,7 +84,11 @@ def wheel_members(project: str, version: str, members: list[str]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(io.BufferedReader(_RangeFile(url), buffer_size=1 << 16)) as wheel:
         names = wheel.namelist()
-        info = [n for n in names if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] in ("METADATA", "RECORD", "WHEEL")]
+        info = [
+            n
+            for n in names
+            if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] in ("METADATA", "RECORD", "WHEEL")
+        ]
         for name in [*(m for m in want if m in names), *info]:
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +119,18 @@ def wheel_file(project: str, version: str) -> Path:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(folder), f"{project}=={version}"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(folder),
+            f"{project}=={version}",
+        ],
         check=True,
     )
     return sorted(folder.glob(f"{prefix}*.whl"))[0]

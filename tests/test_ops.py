@@ -1,0 +1,322 @@
+"""The operation vocabulary, one table per operation: (before, after) and must-not-match.
+
+Each case runs a one-edit spec through ``transform``; "after" is the exact text, so any
+change in formatting, placement or marking shows here first.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from fp32patch.patcher.spec import parse_spec
+from fp32patch.patcher.transform import transform
+
+
+def _spec(edit: str, extra: str = "") -> object:
+    text = f"""
+schema = 1
+id = "t"
+summary = "test"
+[target]
+distribution = "pkg"
+path = "pkg/m.py"
+[[edits]]
+id = "e"
+{textwrap.dedent(edit)}
+{extra}
+"""
+    return parse_spec(text, "test.toml")
+
+
+def _run(edit: str, before: str):
+    return transform(_spec(edit), textwrap.dedent(before).encode(), path="pkg/m.py", version=None)
+
+
+def _check(edit: str, before: str, after: str) -> None:
+    result = _run(edit, before)
+    assert result.status == "applied", result.message
+    assert result.new.decode() == textwrap.dedent(after)
+    again = transform(_spec(edit), result.new, path="pkg/m.py", version=None)
+    assert again.status == "already-applied"
+
+
+INSERT_AFTER_IMPORTS = [
+    (
+        '''
+        """Doc."""
+        import os
+        from x import y
+        X = 1
+
+
+        def f():
+            pass
+        ''',
+        '''
+        """Doc."""
+        import os
+        from x import y
+
+
+        # fp32patch: t [e]
+        def g():
+            return 1
+
+
+        X = 1
+
+
+        def f():
+            pass
+        ''',
+    ),
+    (  # no imports at all: after the docstring
+        '''
+        """Doc."""
+        def f():
+            pass
+        ''',
+        '''
+        """Doc."""
+
+
+        # fp32patch: t [e]
+        def g():
+            return 1
+
+
+        def f():
+            pass
+        ''',
+    ),
+]
+
+
+@pytest.mark.parametrize(("before", "after"), INSERT_AFTER_IMPORTS)
+def test_insert_after_imports(before, after):
+    _check('op = "insert_after_imports"\ncode = "def g():\\n    return 1\\n"', before, after)
+
+
+def test_insert_after_imports_refuses_a_name_clash():
+    result = _run(
+        'op = "insert_after_imports"\ncode = "def g():\\n    return 1\\n"', "import os\n\n\ndef g():\n    pass\n"
+    )
+    assert result.status == "anchor-ambiguous" and "already defines g" in result.message
+
+
+PREPEND = 'op = "prepend_to_body"\nscope = "C.f"\ncode = "return h(self, ${call_args})"'
+PREPEND_CASES = [
+    (
+        """
+        class C:
+            def f(self, a, b=1, *args, k, **kw):
+                \"\"\"Doc.\"\"\"
+                return a
+        """,
+        """
+        class C:
+            def f(self, a, b=1, *args, k, **kw):
+                \"\"\"Doc.\"\"\"
+                # fp32patch: t [e]
+                return h(self, a, b, *args, k=k, **kw)
+                return a
+        """,
+    ),
+    (  # one-line body, tab indentation, CRLF line endings are kept
+        "class C:\r\n\tdef f(self, a): return a\r\n",
+        "class C:\r\n\tdef f(self, a):\r\n\t\t# fp32patch: t [e]\r\n\t\treturn h(self, a)\r\n\t\treturn a\r\n",
+    ),
+]
+
+
+@pytest.mark.parametrize(("before", "after"), PREPEND_CASES)
+def test_prepend_to_body(before, after):
+    _check(PREPEND, before, after)
+
+
+PREPEND_NO_MATCH = [
+    "def f(self, a):\n    return a\n",  # not inside C
+    "class C:\n    def g(self, a):\n        return a\n",  # another name
+    "class D:\n    class C:\n        def f(self): pass\n",  # C nested deeper: the scope is exact
+]
+
+
+@pytest.mark.parametrize("before", PREPEND_NO_MATCH)
+def test_prepend_to_body_must_not_match(before):
+    assert _run(PREPEND, before).status == "anchor-missing"
+
+
+def test_scope_wildcards_and_params():
+    edit = 'op = "prepend_to_body"\nscope = "**.f"\nparams = ["self", "x"]\ncode = "pass"'
+    src = "class A:\n    def outer(self):\n        class B:\n            def f(self, x):\n                return x\n"
+    assert _run(edit, src).status == "applied"
+    wrong = _run(edit, src.replace("self, x", "self, y"))
+    assert wrong.status == "anchor-missing" and "found instead: A.outer.B.f(self, y)" in wrong.message
+
+
+REPLACE_EXPR = 'op = "replace"\nscope = "f"\nmatch = "ValueError(...)"\ncode = "ValueError(msg(n))"'
+REPLACE_CASES = [
+    (
+        """
+        def f(n):
+            if n:
+                raise ValueError(
+                    f"too long: {n}"  # a comment inside
+                )
+        """,
+        """
+        def f(n):
+            if n:
+                # fp32patch: t [e]
+                raise ValueError(msg(n))
+        """,
+    ),
+]
+
+
+@pytest.mark.parametrize(("before", "after"), REPLACE_CASES)
+def test_replace_expression(before, after):
+    _check(REPLACE_EXPR, before, after)
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        "def f(n):\n    raise TypeError('x')\n",
+        "def g(n):\n    raise ValueError('x')\n",  # outside the scope
+        "def f(n):\n    raise ValueError('x')\n    raise ValueError('y')\n",  # twice
+    ],
+)
+def test_replace_expression_must_match_exactly_once(before):
+    assert _run(REPLACE_EXPR, before).status in ("anchor-missing", "anchor-ambiguous")
+
+
+def test_replace_statement_keeps_leading_comments():
+    edit = 'op = "replace"\nscope = "f"\nmatch = "return x + 1"\ncode = "y = x + 1\\nreturn y"'
+    _check(
+        edit,
+        "def f(x):\n    # why\n    return (x +\n            1)\n",
+        "def f(x):\n    # why\n    # fp32patch: t [e]\n    y = x + 1\n    return y\n",
+    )
+
+
+def test_insert_before_and_after():
+    before_edit = 'op = "insert_before"\nscope = "f"\nmatch = "return ..."\ncode = "log()"'
+    _check(
+        before_edit,
+        "def f():\n    # c\n    return 1\n",
+        "def f():\n    # c\n    # fp32patch: t [e]\n    log()\n    return 1\n",
+    )
+    after_edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = ..."\ncode = "log(x)"'
+    _check(
+        after_edit,
+        "def f():\n    x = 2\n    return x\n",
+        "def f():\n    x = 2\n    # fp32patch: t [e]\n    log(x)\n    return x\n",
+    )
+
+
+HANDLER = '''op = "insert_except_handler"
+scope = "**.route"
+catches = "KnownError"
+code = """
+except ValueError as e:
+    return 400
+"""'''
+
+
+def test_insert_except_handler():
+    _check(
+        HANDLER,
+        """
+        def setup():
+            async def route():
+                try:
+                    return await go()
+                except KnownError as e:
+                    return 400
+                except Exception:
+                    raise
+        """,
+        """
+        def setup():
+            async def route():
+                try:
+                    return await go()
+                except KnownError as e:
+                    return 400
+                # fp32patch: t [e]
+                except ValueError as e:
+                    return 400
+                except Exception:
+                    raise
+        """,
+    )
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        "async def route():\n    try:\n        pass\n    except (KnownError, ValueError):\n        pass\n",  # a tuple is another handler
+        "async def route():\n    try:\n        pass\n    except OtherError:\n        pass\n",
+    ],
+)
+def test_insert_except_handler_must_not_match(before):
+    assert _run(HANDLER, before).status == "anchor-missing"
+
+
+def test_patterns_ignore_formatting():
+    edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = call(a, b=2)"\ncode = "done()"'
+    for src in (
+        "def f():\n    x = call(a, b=2)\n",
+        "def f():\n    x = call(\n        a,\n        b=2,  # two\n    )\n",
+        "def f():\n    x = (call(a,\n              b = 2))\n",
+    ):
+        assert _run(edit, src).status == "applied", src
+
+
+def test_skip_when_and_obsolete():
+    edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = 1"\ncode = "y = 2"\nskip_when = [{ scope = "f", match = "y = 2" }]'
+    result = _run(edit, "def f():\n    x = 1\n    y = 2\n")
+    assert result.status == "obsolete" and result.skipped == ["e"]
+    spec = _spec(
+        'op = "insert_after"\nscope = "f"\nmatch = "x = 1"\ncode = "y = 2"',
+        '[[obsolete_when]]\nname = "upstream"\npatterns = [{ scope = "f", regex = "fixed upstream" }]',
+    )
+    result = transform(spec, b"def f():\n    # fixed upstream\n    x = 1\n", path="m.py", version=None)
+    assert result.status == "obsolete" and "upstream" in result.message
+
+
+def test_bom_and_missing_final_newline_are_kept():
+    src = b"\xef\xbb\xbfclass C:\n    def f(self, a):\n        return a"
+    result = transform(_spec(PREPEND), src, path="m.py", version=None)
+    assert result.new.startswith(b"\xef\xbb\xbf") and result.new.endswith(b"return a")
+
+
+def test_partially_applied_is_refused():
+    spec = parse_spec(
+        """
+schema = 1
+id = "t"
+summary = "s"
+[target]
+distribution = "pkg"
+path = "m.py"
+[[edits]]
+id = "one"
+op = "insert_after"
+scope = "f"
+match = "x = 1"
+code = "a = 1"
+[[edits]]
+id = "two"
+op = "insert_after"
+scope = "f"
+match = "x = 1"
+code = "b = 1"
+""",
+        "t.toml",
+    )
+    result = transform(spec, b"def f():\n    x = 1\n    # fp32patch: t [one]\n    a = 1\n", path="m.py", version=None)
+    assert result.status == "partially-applied" and "one" in result.message
