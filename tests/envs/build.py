@@ -28,6 +28,8 @@ _TEST_DEPS = ["pytest>=8", "libcst>=1.1", "typer>=0.12", "rich>=13", "packaging>
 RECIPES: dict[str, list[list[str]]] = {
     # The newest vLLM, whole, as an image would hold it (its CUDA torch runs on the CPU).
     "vllm-0.33": [["install", "vllm==0.33.0"]],
+    # The release NeMo-RL pins, from before vLLM had its own fp32 head (head_dtype, 0.26).
+    "vllm-0.25": [["install", "vllm==0.25.1"]],
     # Real megatron-core on the CPU torch this machine carries; megatron-core 0.19 declares
     # a newer Python than some of ours, which it does not need.
     "megatron": [

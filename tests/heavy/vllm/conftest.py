@@ -1,0 +1,61 @@
+"""The heavy vLLM suite: runs under a test environment that holds a whole vLLM release.
+
+At collection it builds a patched import root next to the environment: hardlinks of the
+installed ``vllm`` package and its ``.dist-info`` (so nothing is copied and the
+environment itself is never modified: our writes replace files, never write through
+links), patched with ``fp32patch apply``, and put first on ``sys.path``. Every test then
+imports the patched vLLM, exactly as an image patched at build time would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.pop("NRL_VLLM_FP32_LM_HEAD", None)
+
+REPO = Path(__file__).resolve().parents[3]
+NEMOTRON = "vllm/model_executor/models/nemotron_h.py"
+SITE = Path(sysconfig.get_paths()["purelib"])
+
+
+def _patched_root() -> Path:
+    parent = Path(sys.prefix).parent / "patched-roots"
+    parent.mkdir(exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f"{Path(sys.prefix).name}-", dir=parent))
+    for item in [SITE / "vllm", *SITE.glob("vllm-*.dist-info")]:
+        shutil.copytree(item, root / item.name, copy_function=os.link)
+    subprocess.run([sys.executable, "-m", "fp32patch", "apply", "-s", str(root)], check=True, cwd=REPO)
+    return root
+
+
+PATCHED_ROOT = _patched_root()
+sys.path.insert(0, str(PATCHED_ROOT))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def vllm_runtime():
+    """vLLM's distributed state (gloo, world size 1) and a builder of tiny NemotronH models."""
+    from tests.heavy.vllm import tiny
+
+    with tiny.session(free_port()) as builder:
+        yield builder
