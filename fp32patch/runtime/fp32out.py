@@ -60,3 +60,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def split_mm(a: torch.Tensor, b: torch.Tensor, terms: int = 2) -> torch.Tensor:
+    """``a @ b`` for fp32 ``a`` and low-precision ``b``, as ``terms`` low-precision GEMMs.
+
+    ``a`` is written as a sum of ``terms`` values in ``b``'s dtype (hi = a rounded,
+    lo = the rounding error rounded, ...) and each piece is multiplied exactly with fp32
+    accumulation. With bf16, two terms carry ~16 significant bits of ``a``, more than the
+    11 that TF32 keeps, for one extra GEMM; one term is a plain bf16 rounding of ``a``.
+    fp16 pieces lose the parts of ``a`` below fp16's range; use bf16.
+    """
+    import torch
+
+    if terms < 1:
+        raise ValueError(f"terms must be at least 1, not {terms}")
+    if b.dtype == torch.float32:
+        # Nothing to split against: an fp32 ``b`` takes ``a`` whole.
+        return torch.mm(a, b)
+    piece = a.to(b.dtype)
+    out = mm(piece, b)
+    rest = a
+    for _ in range(terms - 1):
+        rest = rest - piece.float()
+        piece = rest.to(b.dtype)
+        out = out + mm(piece, b)
+    return out
