@@ -66,8 +66,6 @@ class Fp32ForwardImpl:
         gtp_remat_size: int = 1,
         **unknown: Any,
     ) -> torch.Tensor:
-        from megatron.core.tensor_parallel import mappings
-
         if unknown:
             # A newer Megatron passing something we do not know could change the meaning.
             raise TypeError(
@@ -79,12 +77,15 @@ class Fp32ForwardImpl:
             raise NotImplementedError(_DEFERRED_WGRAD)
         if gtp_remat_size > 1:
             raise NotImplementedError(_GTP_REMAT)
-        if sequence_parallel:
-            input = mappings.gather_from_sequence_parallel_region(
-                input, tensor_parallel_output_grad=True, group=tp_group
-            )
-        elif allreduce_dgrad:
-            input = mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
+        if sequence_parallel or allreduce_dgrad:
+            from megatron.core.tensor_parallel import mappings
+
+            if sequence_parallel:
+                input = mappings.gather_from_sequence_parallel_region(
+                    input, tensor_parallel_output_grad=True, group=tp_group
+                )
+            else:
+                input = mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
         return lm_head_linear(input, weight, bias, self.mode, gradient_accumulation_fusion)
 
 
