@@ -245,3 +245,75 @@ def tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         close_parallel()
+
+
+def hybrid_model(cfg, tied: bool = False, seed: int = 0):
+    """A real MambaModel (HybridModel: the NemotronH class) that runs end to end on the CPU.
+
+    Its one layer is an MLP layer built from Megatron's own tensor-parallel linears; the
+    Mamba, attention and final-norm layers of the stock spec need Transformer Engine.
+    """
+    from functools import partial
+
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    mlp = partial(
+        MLP.as_mlp_submodule,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
+    stack = ModuleSpec(
+        module=HybridStack,
+        params={"post_layer_norm": False},
+        submodules=HybridStackSubmodules(
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(mlp=mlp, mlp_bda=get_bias_dropout_add),
+            )
+        ),
+    )
+    torch.manual_seed(seed)
+    return MambaModel(
+        config=cfg,
+        mamba_stack_spec=stack,
+        vocab_size=V,
+        max_sequence_length=S,
+        hybrid_layer_pattern="-",
+        share_embeddings_and_output_weights=tied,
+    )
+
+
+def gpt_model(cfg, pre_process: bool = True, post_process: bool = True, tied: bool = False):
+    """A real GPTModel (local layer spec). Its attention needs CUDA's RNG tracker, so on
+    the CPU the tests call its output layer the way its forward does, not the forward."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=V,
+        max_sequence_length=S,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=tied,
+    )
+
+
+class Nest(torch.nn.Module):
+    """A wrapper holding the next model under ``attr``: stands in for Megatron's DDP
+    (``.module``; its constructor needs CUDA), LLaVAModel (``.language_model``), Nemotron
+    VL (``.llava_model``) and Qwen-Omni-style models (``.thinker``)."""
+
+    def __init__(self, attr: str, inner: torch.nn.Module | None, **attrs: object) -> None:
+        super().__init__()
+        setattr(self, attr, inner)
+        for name, value in attrs.items():
+            setattr(self, name, value)
