@@ -62,27 +62,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def split_mm(a: torch.Tensor, b: torch.Tensor, terms: int = 2) -> torch.Tensor:
-    """``a @ b`` for fp32 ``a`` and low-precision ``b``, as ``terms`` low-precision GEMMs.
+def split(a: torch.Tensor, dtype: torch.dtype, terms: int = 2) -> list[torch.Tensor]:
+    """fp32 ``a`` as ``terms`` tensors of ``dtype`` whose sum approximates it: the first is
+    ``a`` rounded, each next one the rounding error left so far, rounded.
 
-    ``a`` is written as a sum of ``terms`` values in ``b``'s dtype (hi = a rounded,
-    lo = the rounding error rounded, ...) and each piece is multiplied exactly with fp32
-    accumulation. With bf16, two terms carry ~16 significant bits of ``a``, more than the
-    11 that TF32 keeps, for one extra GEMM; one term is a plain bf16 rounding of ``a``.
-    fp16 pieces lose the parts of ``a`` below fp16's range; use bf16.
+    With bf16, two terms carry ~16 significant bits of ``a``, more than the 11 that TF32
+    keeps; one term is a plain bf16 rounding. fp16 pieces lose what lies below fp16's
+    range; use bf16.
     """
-    import torch
-
     if terms < 1:
         raise ValueError(f"terms must be at least 1, not {terms}")
+    pieces = [a.to(dtype)]
+    rest = a
+    for _ in range(terms - 1):
+        rest = rest - pieces[-1].float()
+        pieces.append(rest.to(dtype))
+    return pieces
+
+
+def split_mm(a: torch.Tensor, b: torch.Tensor, terms: int = 2) -> torch.Tensor:
+    """``a @ b`` for fp32 ``a`` and low-precision ``b``: ``split(a)`` times ``b``, each piece
+    multiplied exactly with fp32 accumulation; one extra GEMM per extra term."""
+    import torch
+
     if b.dtype == torch.float32:
         # Nothing to split against: an fp32 ``b`` takes ``a`` whole.
         return torch.mm(a, b)
-    piece = a.to(b.dtype)
-    out = mm(piece, b)
-    rest = a
-    for _ in range(terms - 1):
-        rest = rest - piece.float()
-        piece = rest.to(b.dtype)
+    return sum_mm(split(a, b.dtype, terms), b)
+
+
+def sum_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """``sum(piece @ b)`` in fp32 for low-precision pieces (see ``split``)."""
+    out = mm(pieces[0], b)
+    for piece in pieces[1:]:
         out = out + mm(piece, b)
     return out

@@ -62,13 +62,29 @@ def _fwd_mm(mode: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return fp32out.mm(x, weight.t())
 
 
-def _bwd_mm(mode: str, grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``grad @ other`` in fp32 for an fp32 ``grad`` and a low-precision ``other``."""
+def _backward_gemms(
+    mode: str, grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor | None, need_dx: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For the fp32 grad_output ``grad``: ``grad @ weight`` (input gradient, if ``need_dx``)
+    and ``grad.T @ x`` (weight gradient, if ``x`` is given), both fp32."""
     import torch
 
-    if mode in _UPCAST_MODES:
-        return torch.mm(grad, other.float())
-    return fp32out.split_mm(grad, other, terms=_GRAD_TERMS[mode])
+    if mode in _UPCAST_MODES or weight.dtype == torch.float32:
+        # IEEE or TF32 fp32 GEMMs; an fp32 model has nothing to split against either.
+        pieces, times = [grad], _upcast_mm
+    else:
+        # fp32out: split once, use the pieces for both products.
+        pieces, times = fp32out.split(grad, weight.dtype, _GRAD_TERMS[mode]), fp32out.sum_mm
+    dx = times(pieces, weight) if need_dx else None
+    dw = None if x is None else times([piece.t() for piece in pieces], x)
+    return dx, dw
+
+
+def _upcast_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    (a,) = pieces
+    return torch.mm(a, b.float())
 
 
 def _deliver_weight_grad(
@@ -130,18 +146,18 @@ def _make_function() -> type:
         def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             flat, weight = ctx.saved_tensors
             grad = grad_out.reshape(-1, grad_out.shape[-1]).float()
-            grad_x = grad_w = grad_b = None
+            grad_b = None
+            need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             with _precision(ctx.mode, grad.device):
-                if ctx.needs_input_grad[0]:
-                    grad_x = _bwd_mm(ctx.mode, grad, weight)
-                    grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-                if ctx.needs_input_grad[1]:
-                    grad_w = _bwd_mm(ctx.mode, grad.t(), flat)
+                grad_x, grad_w = _backward_gemms(
+                    ctx.mode, grad, weight, flat if need_dw else None, need_dx
+                )
+            if grad_x is not None:
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
             if grad_w is not None:
                 grad_w = _deliver_weight_grad(weight, ctx.main_grad, grad_w)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = grad.sum(dim=0).to(ctx.bias_dtype)
-            ctx.main_grad = None
             return grad_x, grad_w, grad_b, None, None
 
     return LmHeadLinear
