@@ -37,9 +37,12 @@ demo: install
 bench: install
 	$(VPY) bench/lm_head.py
 
+# bench/ may not exist yet; ruff refuses a missing path
+LINT_PATHS := $(wildcard fp32patch tests bench)
+
 lint: install
-	$(VPY) -m ruff check fp32patch tests bench
-	$(VPY) -m ruff format --check fp32patch tests bench
+	$(VPY) -m ruff check $(LINT_PATHS)
+	$(VPY) -m ruff format --check $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

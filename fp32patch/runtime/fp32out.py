@@ -60,3 +60,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def split(a: torch.Tensor, dtype: torch.dtype, terms: int = 2) -> list[torch.Tensor]:
+    """fp32 ``a`` as ``terms`` tensors of ``dtype`` whose sum approximates it: the first is
+    ``a`` rounded, each next one the rounding error left so far, rounded.
+
+    With bf16, two terms carry ~16 significant bits of ``a``, more than the 11 that TF32
+    keeps; one term is a plain bf16 rounding. fp16 pieces lose what lies below fp16's
+    range; use bf16.
+    """
+    if terms < 1:
+        raise ValueError(f"terms must be at least 1, not {terms}")
+    pieces = [a.to(dtype)]
+    rest = a
+    for _ in range(terms - 1):
+        rest = rest - pieces[-1].float()
+        pieces.append(rest.to(dtype))
+    return pieces
+
+
+def split_mm(a: torch.Tensor, b: torch.Tensor, terms: int = 2) -> torch.Tensor:
+    """``a @ b`` for fp32 ``a`` and low-precision ``b``: ``split(a)`` times ``b``, each piece
+    multiplied exactly with fp32 accumulation; one extra GEMM per extra term."""
+    import torch
+
+    if b.dtype == torch.float32:
+        # Nothing to split against: an fp32 ``b`` takes ``a`` whole.
+        return torch.mm(a, b)
+    return sum_mm(split(a, b.dtype, terms), b)
+
+
+def sum_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """``sum(piece @ b)`` in fp32 for low-precision pieces (see ``split``)."""
+    out = mm(pieces[0], b)
+    for piece in pieces[1:]:
+        out = out + mm(piece, b)
+    return out

@@ -1,0 +1,185 @@
+"""Refuse NeMo-RL policy configs that would run the fp32 LM head on one engine only.
+
+fp32 logits help only when the trainer (Megatron) and the generator (vLLM) both have
+them: one side alone makes the train/generation mismatch worse. So
+``validate_fp32_lm_head_config(policy_cfg)`` raises ``Fp32LmHeadConfigError`` unless
+
+- ``megatron_cfg.fp32_lm_head`` is one of false, true, "fp32", "tf32", "fp32out",
+  "fp32out-bf16grad" (missing or null: false). The string "false" and "TF32" are errors,
+  never quietly off;
+- it is off when ``megatron_cfg.enabled`` is false (nothing would apply it) and when
+  ``megatron_cfg.use_fused_linear_logprobs`` is true (that path computes log-probs from
+  the hidden states and the output weight directly, bypassing the output layer);
+- when generation runs vLLM (``generation.backend`` "vllm", or "dynamo", whose managed
+  fleet is vLLM started with the same ``vllm_cfg.env_vars``), ``NRL_VLLM_FP32_LM_HEAD``
+  is on ("1", "fp32out", "copy") exactly when Megatron's switch is on, and is otherwise
+  unset or "0". Other backends (and no ``generation`` section) skip this rule.
+
+The vLLM value is read as NeMo-RL passes it to the workers: ``str()`` of the YAML value
+in ``generation.vllm_cfg.env_vars`` (so ``1`` and ``0`` work, while YAML ``true`` becomes
+"True" and is refused), else the driver's environment, which NeMo-RL copies into
+workers that the config does not override. Missing sections are empty. Pure Python.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fp32patch.runtime.modes import (
+    MEGATRON_MODES,
+    MEGATRON_VALUES_TEXT,
+    VLLM_ENV_VAR,
+    VLLM_OFF_VALUES,
+    VLLM_ON_VALUES,
+    VLLM_VALUES_TEXT,
+    megatron_mode,
+)
+
+# Generation backends that start vLLM with generation.vllm_cfg.env_vars.
+VLLM_BACKENDS = ("vllm", "dynamo")
+
+
+class Fp32LmHeadConfigError(ValueError):
+    """A policy config that would give fp32 logits to one engine only, or a bad value."""
+
+
+@dataclass(frozen=True)
+class Fp32LmHeadSettings:
+    """What a valid config asks for.
+
+    ``megatron`` is the mode to hand to ``apply_fp32_lm_head`` (None: off). ``vllm`` is the
+    ``NRL_VLLM_FP32_LM_HEAD`` value vLLM will see (None: unset, or generation is not vLLM).
+    """
+
+    megatron: str | None
+    vllm: str | None
+
+
+def validate_fp32_lm_head_config(
+    cfg: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+) -> Fp32LmHeadSettings:
+    """Check ``cfg`` (NeMo-RL's ``policy`` section, or a whole config holding one).
+
+    ``environ`` stands for the driver's environment (default ``os.environ``); tests pass
+    their own. Raises ``Fp32LmHeadConfigError`` naming the key and the valid values.
+    """
+    cfg, prefix = _policy(cfg)
+    megatron = _section(cfg, "megatron_cfg", prefix)
+    mode = _megatron_mode(megatron, prefix)
+    if mode is not None:
+        _check_megatron_applies(megatron, prefix)
+
+    generation = _section(cfg, "generation", prefix)
+    backend = generation.get("backend")
+    if backend not in VLLM_BACKENDS:
+        return Fp32LmHeadSettings(megatron=mode, vllm=None)
+    vllm, source = _vllm_value(generation, prefix, os.environ if environ is None else environ)
+    vllm_on = vllm in VLLM_ON_VALUES
+    key = f"{prefix}megatron_cfg.fp32_lm_head"
+    if mode is not None and not vllm_on:
+        seen = "is not set" if vllm is None else f'is "{vllm}"'
+        raise Fp32LmHeadConfigError(
+            f"{key} is {mode!r} but {source} {seen}: vLLM would still round its logits to "
+            "bf16, and fp32 logits on the trainer alone make the train/generation mismatch "
+            f"worse. Set {prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR} to one of "
+            f"{_quoted(VLLM_ON_VALUES)}, or set {key} to false"
+        )
+    if mode is None and vllm_on:
+        raise Fp32LmHeadConfigError(
+            f'{source} is "{vllm}" but {key} is off: Megatron would still round its logits '
+            "to bf16, and fp32 logits on vLLM alone make the train/generation mismatch "
+            f"worse. Set {key} to one of {_quoted(MEGATRON_MODES)} (or true), or unset "
+            f"{VLLM_ENV_VAR}"
+        )
+    return Fp32LmHeadSettings(megatron=mode, vllm=vllm)
+
+
+def _policy(cfg: Any) -> tuple[Mapping[str, Any], str]:
+    """The policy section and the key prefix that leads to it."""
+    if not isinstance(cfg, Mapping):
+        raise Fp32LmHeadConfigError(
+            f"expected the policy config as a mapping, got {type(cfg).__name__}"
+        )
+    # A whole config was passed: validating its top level would silently find nothing.
+    if "megatron_cfg" not in cfg and "generation" not in cfg and "policy" in cfg:
+        return _section(cfg, "policy", ""), "policy."
+    return cfg, ""
+
+
+def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, Any]:
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise Fp32LmHeadConfigError(
+            f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})"
+        )
+    return value
+
+
+def _megatron_mode(megatron: Mapping[str, Any], prefix: str) -> str | None:
+    raw = megatron.get("fp32_lm_head")
+    try:
+        return megatron_mode(raw)
+    except ValueError:
+        hint = ""
+        if isinstance(raw, str) and raw.strip().lower() in ("false", "true", "no", "yes"):
+            hint = " (a quoted string is not a boolean: write false or true without quotes)"
+        elif isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
+            hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
+        raise Fp32LmHeadConfigError(
+            f"{prefix}megatron_cfg.fp32_lm_head = {raw!r} is not valid{hint}; "
+            f"valid values: {MEGATRON_VALUES_TEXT}"
+        ) from None
+
+
+def _check_megatron_applies(megatron: Mapping[str, Any], prefix: str) -> None:
+    """Refuse an fp32 head that nothing would apply."""
+    key = f"{prefix}megatron_cfg"
+    if "enabled" in megatron and not megatron["enabled"]:
+        raise Fp32LmHeadConfigError(
+            f"{key}.fp32_lm_head is on but {key}.enabled is {megatron['enabled']!r}: the "
+            "policy does not train with Megatron, so its logits would stay bf16. Set "
+            f"{key}.fp32_lm_head to false (and unset {VLLM_ENV_VAR})"
+        )
+    fused = megatron.get("use_fused_linear_logprobs", False)
+    if fused:
+        raise Fp32LmHeadConfigError(
+            f"{key}.fp32_lm_head is on together with {key}.use_fused_linear_logprobs = "
+            f"{fused!r}: the fused path computes log-probs from the hidden states and the "
+            "output weight directly, so the fp32 output layer would never run. Set "
+            f"{key}.use_fused_linear_logprobs to false, or {key}.fp32_lm_head to false"
+        )
+
+
+def _vllm_value(
+    generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]
+) -> tuple[str | None, str]:
+    """The value vLLM's workers will see for the switch, and where it comes from."""
+    vllm_cfg = _section(generation, "vllm_cfg", f"{prefix}generation.")
+    env_vars = _section(vllm_cfg, "env_vars", f"{prefix}generation.vllm_cfg.")
+    if VLLM_ENV_VAR in env_vars:
+        raw = env_vars[VLLM_ENV_VAR]
+        source = f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
+        value = str(raw)  # what NeMo-RL hands to the workers
+    elif VLLM_ENV_VAR in environ:
+        raw = value = environ[VLLM_ENV_VAR]
+        source = f"the environment variable {VLLM_ENV_VAR}"
+    else:
+        return None, f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
+    if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
+        hint = ""
+        if isinstance(raw, bool) or raw is None:
+            spelled = {True: "true", False: "false", None: "null"}[raw]
+            hint = f' (YAML {spelled} reaches vLLM as the string "{value}"; write 1 or 0)'
+        raise Fp32LmHeadConfigError(
+            f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}"
+        )
+    return value, source
+
+
+def _quoted(values: tuple[str, ...]) -> str:
+    return ", ".join(f'"{v}"' for v in values)

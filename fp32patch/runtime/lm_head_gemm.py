@@ -1,0 +1,183 @@
+"""The LM head's local GEMM with fp32 logits, forward and backward, in each mode.
+
+``lm_head_linear(x, weight, bias, mode, fuse_wgrad)`` is ``x @ weight.T (+ bias)`` for a
+low-precision ``x[..., H]`` and ``weight[V, H]``, returned in fp32. It does no
+communication: the caller (``megatron_lm_head``) keeps Megatron's own tensor-parallel
+collectives around it. The modes are described in ``modes.py``.
+
+Gradients: the input gradient comes back in the input's dtype. The weight gradient is
+computed in fp32 and then delivered the way Megatron-Core's
+``LinearWithGradAccumulationAndAsyncCommunication`` delivers it, so its DDP and
+optimizer see no difference:
+
+- with ``fuse_wgrad`` (Megatron's ``gradient_accumulation_fusion``) and a ``main_grad``
+  on the weight, it is added into ``main_grad`` (fp32, no bf16 rounding on the way) and
+  autograd gets ``None``, or, where DDP has marked the weight with
+  ``grad_added_to_main_grad``, a placeholder tensor plus that flag set to True (DDP's
+  hook then skips adding ``.grad`` a second time);
+- otherwise it is rounded to the weight's dtype and lands in ``weight.grad`` as usual.
+
+Megatron-FSDP weights (``__fsdp_param__``), whose main grad follows another protocol,
+are refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from fp32patch.runtime import fp32out
+from fp32patch.runtime.matmul_precision import cuda_tf32
+from fp32patch.runtime.modes import MEGATRON_MODES
+
+if TYPE_CHECKING:
+    import torch
+
+_UPCAST_MODES = ("fp32", "tf32")
+# fp32out modes: how many bf16 terms carry the fp32 grad_output in the backward.
+_GRAD_TERMS = {"fp32out": 2, "fp32out-bf16grad": 1}
+
+
+@contextmanager
+def _precision(mode: str, device: torch.device) -> Iterator[None]:
+    """The GEMM settings a mode needs, whatever the trainer has set around it."""
+    import torch
+
+    # Under a trainer's autocast an fp32 GEMM would quietly run in bf16 again.
+    with torch.autocast(device_type=device.type, enabled=False):
+        if mode in _UPCAST_MODES:
+            with cuda_tf32(mode == "tf32"):
+                yield
+        else:
+            yield
+
+
+def _fwd_mm(mode: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in fp32 for 2-D ``x`` and ``weight``."""
+    import torch
+
+    if mode in _UPCAST_MODES:
+        return torch.mm(x.float(), weight.float().t())
+    return fp32out.mm(x, weight.t())
+
+
+def _backward_gemms(
+    mode: str, grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor | None, need_dx: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For the fp32 grad_output ``grad``: ``grad @ weight`` (input gradient, if ``need_dx``)
+    and ``grad.T @ x`` (weight gradient, if ``x`` is given), both fp32."""
+    import torch
+
+    if mode in _UPCAST_MODES or weight.dtype == torch.float32:
+        # IEEE or TF32 fp32 GEMMs; an fp32 model has nothing to split against either.
+        pieces, times = [grad], _upcast_mm
+    else:
+        # fp32out: split once, use the pieces for both products.
+        pieces, times = fp32out.split(grad, weight.dtype, _GRAD_TERMS[mode]), fp32out.sum_mm
+    dx = times(pieces, weight) if need_dx else None
+    dw = None if x is None else times([piece.t() for piece in pieces], x)
+    return dx, dw
+
+
+def _upcast_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    (a,) = pieces
+    return torch.mm(a, b.float())
+
+
+def _deliver_weight_grad(
+    weight: torch.Tensor, main_grad: torch.Tensor | None, grad: torch.Tensor
+) -> torch.Tensor | None:
+    """Hand the fp32 weight gradient over as Megatron's own linear layer would (see top)."""
+    import torch
+
+    if main_grad is None:
+        return grad.to(weight.dtype)
+    # The same weight can serve several heads (MTP); point it back at the buffer seen in
+    # the forward, as Megatron does, before accumulating.
+    weight.main_grad = main_grad
+    main_grad.add_(grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # Returning a tensor keeps DDP's backward hooks on the main backward thread (Megatron
+    # does the same); its values are never read unless the trainer asks for zeros.
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    placeholder = make(main_grad.shape, dtype=weight.dtype, device=weight.device)
+    weight.grad_added_to_main_grad = True
+    return placeholder
+
+
+def _make_function() -> type:
+    import torch
+
+    class LmHeadLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(
+            ctx: Any,
+            x: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None,
+            mode: str,
+            fuse_wgrad: bool,
+        ) -> torch.Tensor:
+            if fuse_wgrad and hasattr(weight, "__fsdp_param__"):
+                raise NotImplementedError(
+                    "fp32 LM head: Megatron-FSDP weights (__fsdp_param__) are not supported; "
+                    "use Megatron's DDP or turn gradient_accumulation_fusion off"
+                )
+            flat = x.reshape(-1, x.shape[-1])
+            # The input is only needed for the weight gradient; a frozen weight keeps none.
+            ctx.save_for_backward(flat if weight.requires_grad else None, weight)
+            ctx.mode = mode
+            ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+            ctx.main_grad = (
+                weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
+            )
+            ctx.bias_dtype = None if bias is None else bias.dtype
+            with _precision(mode, x.device):
+                out = _fwd_mm(mode, flat, weight)
+            if bias is not None:
+                out = out + bias.float()
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            flat, weight = ctx.saved_tensors
+            grad = grad_out.reshape(-1, grad_out.shape[-1]).float()
+            grad_b = None
+            need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            with _precision(ctx.mode, grad.device):
+                grad_x, grad_w = _backward_gemms(
+                    ctx.mode, grad, weight, flat if need_dw else None, need_dx
+                )
+            if grad_x is not None:
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+            if grad_w is not None:
+                grad_w = _deliver_weight_grad(weight, ctx.main_grad, grad_w)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_b = grad.sum(dim=0).to(ctx.bias_dtype)
+            return grad_x, grad_w, grad_b, None, None
+
+    return LmHeadLinear
+
+
+_FUNCTION: type | None = None
+
+
+def lm_head_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mode: str,
+    fuse_wgrad: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in fp32, differentiable, in ``mode`` (see ``modes.py``)."""
+    global _FUNCTION
+    if mode not in MEGATRON_MODES:
+        raise ValueError(f"unknown fp32 LM-head mode {mode!r}; known: {', '.join(MEGATRON_MODES)}")
+    if _FUNCTION is None:
+        # Built on first use: this module must import without torch.
+        _FUNCTION = _make_function()
+    return _FUNCTION.apply(x, weight, bias, mode, fuse_wgrad)

@@ -1,0 +1,55 @@
+"""The values the two fp32 LM-head switches accept, in one place.
+
+Megatron's side is the ``mode`` of ``apply_fp32_lm_head`` (the ``megatron_cfg.fp32_lm_head``
+config key); vLLM's side is the environment variable ``NRL_VLLM_FP32_LM_HEAD`` that its
+EngineCore processes read. The runtime and the config guard both check against these
+tables, so a value one accepts is never refused by the other. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+# Megatron output-layer modes. Each gives fp32 logits; they differ in how the GEMMs run:
+#   fp32              bf16 operands upcast to fp32 inside the graph, IEEE fp32 GEMMs
+#   tf32              the same GEMMs with TF32 tensor cores allowed (operands that came from
+#                     bf16 are exact in TF32, so only the fp32 grad_output is rounded)
+#   fp32out           bf16 operands, fp32 output, no fp32 weight copy; the backward splits
+#                     the fp32 grad_output into two bf16 terms (hi + lo), which is more
+#                     precise than TF32 at the price of one extra GEMM per gradient
+#   fp32out-bf16grad  fp32out with grad_output rounded once to bf16 in the backward: the
+#                     speed of the stock bf16 head and its backward precision, but less
+#                     precise than tf32 there; opt-in only
+#
+# Cost in bf16-GEMM equivalents for forward + backward (the stock bf16 head: 3):
+# fp32out-bf16grad 3; fp32out 5 (1 + 2 x 2); tf32 3 TF32 GEMMs at half the bf16 tensor-core
+# rate, ~6, plus an fp32 copy of the weight shard in the forward and in the backward; fp32
+# 3 GEMMs without tensor cores, plus the same copies. Measured backward error against
+# float64 (CPU, tests/test_lm_head_gemm.py's method; N=1024 tokens, H=1024, V=8192,
+# cross-entropy gradient), relative norm of the fp32 weight gradient into main_grad:
+# fp32 2.5e-7, fp32out 4.0e-7, tf32 1.1e-4, fp32out-bf16grad 2.0e-4; of the bf16 input
+# gradient: 1.660e-3 for fp32 and fp32out, 1.664e-3 tf32, 1.672e-3 fp32out-bf16grad.
+MEGATRON_MODES: tuple[str, ...] = ("fp32", "tf32", "fp32out", "fp32out-bf16grad")
+
+# How the valid Megatron values are spelled in errors: YAML booleans plus the mode names.
+MEGATRON_VALUES_TEXT = "false, true, " + ", ".join(f'"{m}"' for m in MEGATRON_MODES)
+
+VLLM_ENV_VAR = "NRL_VLLM_FP32_LM_HEAD"
+# NeMo-RL hands env_vars to its workers as str(value), so these are compared as strings.
+VLLM_ON_VALUES: tuple[str, ...] = ("1", "fp32out", "copy")
+VLLM_OFF_VALUES: tuple[str, ...] = ("0",)
+VLLM_VALUES_TEXT = "unset, " + ", ".join(f'"{v}"' for v in (*VLLM_OFF_VALUES, *VLLM_ON_VALUES))
+
+
+def megatron_mode(value: object) -> str | None:
+    """The Megatron mode that ``value`` asks for, or None for off.
+
+    ``False`` and ``None`` are off, ``True`` is ``"fp32"``, a mode name is itself. Anything
+    else (the string ``"false"``, ``"TF32"``, the integer 1) raises ``ValueError`` listing
+    the valid values: a near-miss spelling must never silently mean "off".
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "fp32"
+    if isinstance(value, str) and value in MEGATRON_MODES:
+        return value
+    raise ValueError(f"fp32 LM-head mode {value!r} is not valid; use one of {MEGATRON_VALUES_TEXT}")
