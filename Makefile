@@ -1,12 +1,14 @@
-# Every target runs from a fresh clone: `make install` builds .venv, `make test` also
-# builds the heavy test environments (real vLLM, real megatron-core) under
-# $(FP32PATCH_TEST_CACHE), outside the repository, and reuses them afterwards.
+# Every target works from a fresh clone. `make install` builds .venv; `make test` also
+# builds the heavy test environments (whole vLLM releases, megatron-core) under
+# $(FP32PATCH_TEST_CACHE), outside the repository, and reuses them on later runs.
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 export FP32PATCH_TEST_CACHE ?= $(HOME)/.cache/fp32patch-tests
-# heavy suites: tests/heavy/<env> runs under the interpreter of test environment <env>
-HEAVY ?= $(notdir $(wildcard tests/heavy/*))
+# <test environment>:<suite under tests/heavy>: each suite runs under that environment's Python
+HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm megatron:megatron
+# bench/ may not exist yet; ruff refuses a missing path
+LINT_PATHS := $(wildcard fp32patch tests bench tools)
 
 .PHONY: install test test-fast test-heavy demo bench lint clean
 
@@ -25,20 +27,19 @@ test-fast: install
 	$(VPY) -m pytest
 
 test-heavy: install
-	@set -e; for env in $(HEAVY); do \
+	@set -e; for pair in $(HEAVY); do \
+	  env=$${pair%%:*}; suite=$${pair##*:}; \
 	  $(VPY) tests/envs/build.py $$env; \
-	  echo "== tests/heavy/$$env under $$($(VPY) tests/envs/build.py --path $$env)"; \
-	  PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path $$env) -m pytest -p no:cacheprovider tests/heavy/$$env; \
+	  echo "== tests/heavy/$$suite under $$env"; \
+	  FP32PATCH_HEAVY=1 PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path $$env) \
+	    -m pytest -p no:cacheprovider tests/heavy/$$suite; \
 	done
 
 demo: install
-	$(VPY) -m fp32patch.demo
+	PY=$(VPY) bash tools/demo.sh
 
 bench: install
 	$(VPY) bench/lm_head.py
-
-# bench/ may not exist yet; ruff refuses a missing path
-LINT_PATHS := $(wildcard fp32patch tests bench)
 
 lint: install
 	$(VPY) -m ruff check $(LINT_PATHS)

@@ -49,23 +49,15 @@ VALID = [
     pytest.param(policy(True, 1), Fp32LmHeadSettings("fp32", "1"), id="vllm-yaml-int-1"),
     pytest.param(policy("fp32", "copy"), Fp32LmHeadSettings("fp32", "copy"), id="fp32-copy"),
     pytest.param(policy("tf32", "fp32out"), Fp32LmHeadSettings("tf32", "fp32out"), id="tf32"),
-    pytest.param(
-        policy("fp32out", "fp32out"), Fp32LmHeadSettings("fp32out", "fp32out"), id="fp32out"
-    ),
+    pytest.param(policy("fp32out", "fp32out"), Fp32LmHeadSettings("fp32out", "fp32out"), id="fp32out"),
     pytest.param(
         policy("fp32out-bf16grad", "1"),
         Fp32LmHeadSettings("fp32out-bf16grad", "1"),
         id="fp32out-bf16grad",
     ),
-    pytest.param(
-        policy("fp32out", "1", fused=False), Fp32LmHeadSettings("fp32out", "1"), id="fused-off"
-    ),
-    pytest.param(
-        policy(False, fused=True), Fp32LmHeadSettings(None, None), id="fused-with-head-off"
-    ),
-    pytest.param(
-        policy("tf32", "1", enabled=True), Fp32LmHeadSettings("tf32", "1"), id="enabled-true"
-    ),
+    pytest.param(policy("fp32out", "1", fused=False), Fp32LmHeadSettings("fp32out", "1"), id="fused-off"),
+    pytest.param(policy(False, fused=True), Fp32LmHeadSettings(None, None), id="fused-with-head-off"),
+    pytest.param(policy("tf32", "1", enabled=True), Fp32LmHeadSettings("tf32", "1"), id="enabled-true"),
     pytest.param(policy(False, enabled=False), Fp32LmHeadSettings(None, None), id="dtensor"),
     pytest.param(
         policy(True, "1", backend="dynamo"),
@@ -76,9 +68,7 @@ VALID = [
     pytest.param(policy(True, backend="megatron"), Fp32LmHeadSettings("fp32", None), id="meg-gen"),
     pytest.param(policy(True, "1", backend="sglang"), Fp32LmHeadSettings("fp32", None), id="sgl"),
     pytest.param(policy(True, backend=None), Fp32LmHeadSettings("fp32", None), id="no-backend"),
-    pytest.param(
-        {"megatron_cfg": {"fp32_lm_head": True}}, Fp32LmHeadSettings("fp32", None), id="no-gen"
-    ),
+    pytest.param({"megatron_cfg": {"fp32_lm_head": True}}, Fp32LmHeadSettings("fp32", None), id="no-gen"),
     pytest.param({}, Fp32LmHeadSettings(None, None), id="empty"),
     pytest.param(
         {"megatron_cfg": None, "generation": {"backend": "vllm", "vllm_cfg": None}},
@@ -107,14 +97,10 @@ INVALID = [
     pytest.param(policy(False, "1"), [f"env_vars.{VAR}", '"1"', "is off"], id="vllm-only"),
     pytest.param(policy(None, "copy"), ['"copy"', "fp32_lm_head is off"], id="vllm-copy-only"),
     pytest.param(policy(env="fp32out"), ['"fp32out"', "is off"], id="vllm-only-meg-unset"),
-    pytest.param(
-        policy(False, "1", enabled=False), ["fp32_lm_head is off"], id="dtensor-with-vllm-on"
-    ),
+    pytest.param(policy(False, "1", enabled=False), ["fp32_lm_head is off"], id="dtensor-with-vllm-on"),
     pytest.param(policy(True, backend="dynamo"), ["is not set"], id="dynamo-meg-only"),
     # Megatron values.
-    pytest.param(
-        policy("false"), ["'false' is not valid", "without quotes", "false, true"], id="str-false"
-    ),
+    pytest.param(policy("false"), ["'false' is not valid", "without quotes", "false, true"], id="str-false"),
     pytest.param(policy("true", "1"), ["'true' is not valid", "without quotes"], id="str-true"),
     pytest.param(policy("TF32", "1"), ["'TF32'", 'did you mean "tf32"', '"fp32out"'], id="TF32"),
     pytest.param(policy("FP32OUT"), ['did you mean "fp32out"'], id="FP32OUT"),
@@ -123,14 +109,10 @@ INVALID = [
     pytest.param(policy(0), ["fp32_lm_head = 0 is not valid"], id="int-0"),
     pytest.param(policy("copy", "copy"), ["'copy' is not valid"], id="vllm-value-on-megatron"),
     # vLLM values, as NeMo-RL would pass them (str of the YAML value).
-    pytest.param(
-        policy(True, True), ["= True is not valid", 'string "True"', "write 1"], id="yaml-true"
-    ),
+    pytest.param(policy(True, True), ["= True is not valid", 'string "True"', "write 1"], id="yaml-true"),
     pytest.param(policy(False, False), ['string "False"', "write 1 or 0"], id="yaml-false"),
     pytest.param(policy(False, None), ['string "None"'], id="yaml-null"),
-    pytest.param(
-        policy(True, "true"), ["'true' is not valid", '"fp32out", "copy"'], id="vllm-str-true"
-    ),
+    pytest.param(policy(True, "true"), ["'true' is not valid", '"fp32out", "copy"'], id="vllm-str-true"),
     pytest.param(policy(True, "FP32OUT"), ["'FP32OUT' is not valid"], id="vllm-FP32OUT"),
     pytest.param(policy(True, "tf32"), ["'tf32' is not valid"], id="vllm-tf32"),
     pytest.param(policy(True, ""), ["'' is not valid", "unset"], id="vllm-empty"),
@@ -146,9 +128,7 @@ INVALID = [
         ["use_fused_linear_logprobs"],
         id="fused-logprobs-any-backend",
     ),
-    pytest.param(
-        policy(True, "1", enabled=False), ["megatron_cfg.enabled is False"], id="megatron-disabled"
-    ),
+    pytest.param(policy(True, "1", enabled=False), ["megatron_cfg.enabled is False"], id="megatron-disabled"),
     # Shapes.
     pytest.param({"megatron_cfg": ["fp32_lm_head"]}, ["megatron_cfg must be a mapping"], id="list"),
     pytest.param(

@@ -40,12 +40,8 @@ def test_legacy_flag_is_restored_when_the_block_raises(legacy_flag):
     assert matmul.allow_tf32 is False
 
 
-@pytest.mark.parametrize(
-    ("mode", "trainer_setting", "inside"), [("tf32", False, True), ("fp32", True, False)]
-)
-def test_the_head_sets_the_flag_only_around_its_gemms(
-    legacy_flag, monkeypatch, mode, trainer_setting, inside
-):
+@pytest.mark.parametrize(("mode", "trainer_setting", "inside"), [("tf32", False, True), ("fp32", True, False)])
+def test_the_head_sets_the_flag_only_around_its_gemms(legacy_flag, monkeypatch, mode, trainer_setting, inside):
     seen: list[bool] = []
     real_mm = torch.mm
 

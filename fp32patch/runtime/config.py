@@ -100,9 +100,7 @@ def validate_fp32_lm_head_config(
 def _policy(cfg: Any) -> tuple[Mapping[str, Any], str]:
     """The policy section and the key prefix that leads to it."""
     if not isinstance(cfg, Mapping):
-        raise Fp32LmHeadConfigError(
-            f"expected the policy config as a mapping, got {type(cfg).__name__}"
-        )
+        raise Fp32LmHeadConfigError(f"expected the policy config as a mapping, got {type(cfg).__name__}")
     # A whole config was passed: validating its top level would silently find nothing.
     if "megatron_cfg" not in cfg and "generation" not in cfg and "policy" in cfg:
         return _section(cfg, "policy", ""), "policy."
@@ -114,9 +112,7 @@ def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, A
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise Fp32LmHeadConfigError(
-            f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})"
-        )
+        raise Fp32LmHeadConfigError(f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})")
     return value
 
 
@@ -131,8 +127,7 @@ def _megatron_mode(megatron: Mapping[str, Any], prefix: str) -> str | None:
         elif isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
             hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
         raise Fp32LmHeadConfigError(
-            f"{prefix}megatron_cfg.fp32_lm_head = {raw!r} is not valid{hint}; "
-            f"valid values: {MEGATRON_VALUES_TEXT}"
+            f"{prefix}megatron_cfg.fp32_lm_head = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
         ) from None
 
 
@@ -155,9 +150,7 @@ def _check_megatron_applies(megatron: Mapping[str, Any], prefix: str) -> None:
         )
 
 
-def _vllm_value(
-    generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]
-) -> tuple[str | None, str]:
+def _vllm_value(generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]) -> tuple[str | None, str]:
     """The value vLLM's workers will see for the switch, and where it comes from."""
     vllm_cfg = _section(generation, "vllm_cfg", f"{prefix}generation.")
     env_vars = _section(vllm_cfg, "env_vars", f"{prefix}generation.vllm_cfg.")
@@ -175,9 +168,7 @@ def _vllm_value(
         if isinstance(raw, bool) or raw is None:
             spelled = {True: "true", False: "false", None: "null"}[raw]
             hint = f' (YAML {spelled} reaches vLLM as the string "{value}"; write 1 or 0)'
-        raise Fp32LmHeadConfigError(
-            f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}"
-        )
+        raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}")
     return value, source
 
 

@@ -132,9 +132,7 @@ def _make_function() -> type:
             ctx.save_for_backward(flat if weight.requires_grad else None, weight)
             ctx.mode = mode
             ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-            ctx.main_grad = (
-                weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
-            )
+            ctx.main_grad = weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
             ctx.bias_dtype = None if bias is None else bias.dtype
             with _precision(mode, x.device):
                 out = _fwd_mm(mode, flat, weight)
@@ -149,9 +147,7 @@ def _make_function() -> type:
             grad_b = None
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             with _precision(ctx.mode, grad.device):
-                grad_x, grad_w = _backward_gemms(
-                    ctx.mode, grad, weight, flat if need_dw else None, need_dx
-                )
+                grad_x, grad_w = _backward_gemms(ctx.mode, grad, weight, flat if need_dw else None, need_dx)
             if grad_x is not None:
                 grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
             if grad_w is not None:

@@ -33,15 +33,16 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime import fp32out
+from fp32patch.runtime import fp32out, modes
 
 if TYPE_CHECKING:
     import torch
 
-ENV = "NRL_VLLM_FP32_LM_HEAD"
-OFF_VALUES = ("", "0")
-WAYS = {"1": "auto", "fp32out": "fp32out", "copy": "copy"}
-VALID_VALUES = ("0", "1", "fp32out", "copy")
+ENV = modes.VLLM_ENV_VAR
+OFF_VALUES = ("", *modes.VLLM_OFF_VALUES)  # an empty value is unset
+# "1" asks for the best way available; the others name one
+WAYS = {value: ("auto" if value == "1" else value) for value in modes.VLLM_ON_VALUES}
+VALID_VALUES = (*modes.VLLM_OFF_VALUES, *modes.VLLM_ON_VALUES)
 _UNQUANTIZED = {"UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"}
 _SAMPLE_POINTS = 1 << 16  # elements of the weight compared before each eager use of a copy
 

@@ -172,9 +172,7 @@ def assert_within(
         tol = tol + U_BF16 * ref.abs()
     err = (got.double() - ref).abs()
     worst = (err - tol).max().item()
-    assert worst <= 0, (
-        f"error exceeds the rounding bound by {worst:.3g} (max error {err.max():.3g})"
-    )
+    assert worst <= 0, f"error exceeds the rounding bound by {worst:.3g} (max error {err.max():.3g})"
 
 
 class Chunk(torch.nn.Module):
@@ -237,11 +235,7 @@ def tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of each spawned rank: every scenario, results saved per rank."""
     init_parallel(rank, world, port)
     try:
-        results = {
-            (variant, mode): run_scenario(variant, mode, rank, world)
-            for variant in VARIANTS
-            for mode in MODES
-        }
+        results = {(variant, mode): run_scenario(variant, mode, rank, world) for variant in VARIANTS for mode in MODES}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         close_parallel()

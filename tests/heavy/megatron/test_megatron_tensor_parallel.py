@@ -80,10 +80,7 @@ def test_tp2_matches_tp1(tp1, tp2, variant: str, mode: str):
 
         # The input gradient: all-reduced (or reduce-scattered) partial sums per shard.
         partials = sum(
-            (
-                p.grad.double()[..., vocab_shard(r, WORLD)]
-                @ p.weight.double()[vocab_shard(r, WORLD)]
-            ).abs()
+            (p.grad.double()[..., vocab_shard(r, WORLD)] @ p.weight.double()[vocab_shard(r, WORLD)]).abs()
             for r in range(WORLD)
         )
         rows = seq_shard(rank, WORLD) if variant == "sequence_parallel" else slice(None)

@@ -283,7 +283,9 @@ def test_patched_file_works_where_fp32patch_is_not_installed(tmp_path):
     shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NRL_VLLM_FP32_LM_HEAD")}
     script = _WITHOUT_FP32PATCH.format(root=str(PATCHED_ROOT), tests=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "off: torch.bfloat16" in out.stdout
     assert "on: NRL_VLLM_FP32_LM_HEAD='1' asks for fp32 LM-head logits, but fp32patch cannot be imported" in out.stdout
