@@ -88,8 +88,21 @@ def _model_config(ModelConfig, **kwargs):
     return ModelConfig(model=_CONFIG_DIR[0], dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, **kwargs)
 
 
+def cpu_platform() -> None:
+    """Releases before VLLM_TARGET_DEVICE was read at run time pick a platform only from
+    their build; a CUDA wheel on a machine without a GPU then finds none. Give them vLLM's
+    own CPU platform, as a CPU build would have."""
+    import vllm.platforms as platforms
+
+    if platforms.cpu_platform_plugin() is None and not platforms.current_platform.device_type:
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+
+
 @contextlib.contextmanager
 def session(port: int) -> Iterator[Builder]:
+    cpu_platform()
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
