@@ -100,7 +100,7 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
         if report.outcomes:
             out.print(table)
         for o in report.outcomes:
-            if o.message and o.status not in _QUIET:
+            if o.message and (o.status not in _QUIET or o.details.get("interrupted")):
                 (out if o.status in _GOOD else err).print(
                     f"[bold]{o.patch}[/] ({o.status}): {o.message}", soft_wrap=True
                 )

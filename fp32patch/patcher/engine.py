@@ -16,7 +16,14 @@ from pathlib import Path
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.locate import Located, LocateError, check_root, locate
 from fp32patch.patcher.spec import Spec, SpecError, load_specs
-from fp32patch.patcher.transaction import StateDir, Transaction, TransactionError, Write, sha256
+from fp32patch.patcher.transaction import (
+    StateDir,
+    Transaction,
+    TransactionError,
+    Write,
+    describe_os_error,
+    sha256,
+)
 from fp32patch.patcher.transform import ERRORS, Result, markers_in, transform, unified_diff
 
 # statuses of verify/status
@@ -154,6 +161,31 @@ def _load_manifest(root: Path) -> mf.Manifest:
         ) from None
 
 
+_RESULTS: dict[tuple, Result] = {}
+
+
+def _transform(t: _Target, data: bytes) -> Result:
+    """``transform`` for a located target, once per distinct (spec, bytes, path, version).
+
+    transform is pure, so many environments holding the same release (and apply's plan and
+    locked phases) share one result.
+    """
+    loc = t.located
+    assert loc is not None
+    key = (t.spec.id, t.spec.sha256, sha256(data), loc.relpath, loc.version)
+    if key not in _RESULTS:
+        if len(_RESULTS) >= 64:
+            _RESULTS.clear()
+        _RESULTS[key] = transform(t.spec, data, path=loc.relpath, version=loc.version)
+    return _RESULTS[key]
+
+
+def _write_error(root: Path, exc: OSError) -> UsageError:
+    """A root that cannot be written is bad input: exit 2, with what and where."""
+    text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
+    return UsageError(f"cannot write in {root}: {text}; nothing was changed")
+
+
 def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -165,7 +197,24 @@ def _read(path: Path) -> bytes:
 
 
 def _classify(t: _Target, data: bytes, manifest: mf.Manifest) -> Outcome:
-    """The verify/status verdict for one located target."""
+    """The verify/status verdict for one located target: the file's bytes decide.
+
+    An entry left ``pending``/``reverting`` by an interrupted run reads like any other (its
+    hashes say which side of the replace the file is on), with a note that the next apply or
+    revert settles what may lag behind (RECORD row, bytecode, the manifest itself).
+    """
+    outcome = _classify_bytes(t, data, manifest)
+    assert t.located is not None
+    entry = manifest.find(t.spec.id, t.located.relpath)
+    if entry is not None and entry.state != mf.APPLIED:
+        what = "apply" if entry.state == mf.PENDING else "revert"
+        note = f"an fp32patch {what} was interrupted here; the next apply or revert settles it"
+        outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        outcome.details["interrupted"] = entry.state
+    return outcome
+
+
+def _classify_bytes(t: _Target, data: bytes, manifest: mf.Manifest) -> Outcome:
     loc = t.located
     assert loc is not None
     entry = manifest.find(t.spec.id, loc.relpath)
@@ -191,7 +240,7 @@ def _classify(t: _Target, data: bytes, manifest: mf.Manifest) -> Outcome:
                 details=details,
                 message=f"{loc.path} changed after it was patched (sha256 {current[:12]}, recorded {entry.sha256_after[:12]})",
             )
-    result = transform(t.spec, data, path=loc.relpath, version=loc.version)
+    result = _transform(t, data)
     if result.status == "already-applied":
         note = "applied, but no record of it in this root's manifest: hashes cannot be checked"
         return _outcome(t, APPLIED, details=details, message=note)
@@ -224,7 +273,13 @@ def status(
             manifests[root] = _load_manifest(root)
         outcomes.append(_classify(t, _read(t.located.path), manifests[root]))
     outcomes = _fold_not_installed(outcomes)
-    bad = [o for o in outcomes if o.status not in VERIFY_OK or (ids and o.status == NOT_INSTALLED)]
+    # an interrupted entry fails verify even where the bytes are patched: its RECORD row or
+    # bytecode may still lag behind until the next apply or revert settles it
+    bad = [
+        o
+        for o in outcomes
+        if o.status not in VERIFY_OK or (ids and o.status == NOT_INSTALLED) or o.details.get("interrupted")
+    ]
     if all(o.status == NOT_INSTALLED for o in outcomes):
         bad = outcomes  # nothing found anywhere is a problem, not a pass
     code = EXIT_VERIFY if (command == "verify" and bad) else EXIT_OK
@@ -248,13 +303,19 @@ def _fold_not_installed(outcomes: list[Outcome]) -> list[Outcome]:
 # ---------------------------------------------------------------- apply
 
 
-def _entry(t: _Target, result: Result, before: bytes, mode: int) -> mf.Entry:
+def _record_rel(t: _Target) -> str | None:
+    """The RECORD kept in step with the target: its distribution's, when inside the root."""
+    loc = t.located
+    assert loc is not None
+    record = loc.distribution.record if loc.distribution else None
+    if record is not None and _within(loc.root, record):
+        return record.relative_to(loc.root).as_posix()
+    return None
+
+
+def _entry(t: _Target, result: Result, before: bytes) -> mf.Entry:
     loc = t.located
     assert loc is not None and result.new is not None
-    record = loc.distribution.record if loc.distribution else None
-    record_rel = None
-    if record is not None and _within(loc.root, record):
-        record_rel = record.relative_to(loc.root).as_posix()
     return mf.Entry(
         patch=t.spec.id,
         path=loc.relpath,
@@ -265,7 +326,7 @@ def _entry(t: _Target, result: Result, before: bytes, mode: int) -> mf.Entry:
         sha256_before=sha256(before),
         sha256_after=sha256(result.new),
         mode=os.stat(loc.path).st_mode & 0o7777,
-        record=record_rel,
+        record=_record_rel(t),
         applied_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -302,7 +363,7 @@ def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, s
         for t in group:
             assert t.located is not None
             data = _read(t.located.path)
-            result = transform(t.spec, data, path=t.located.relpath, version=t.located.version)
+            result = _transform(t, data)
             results.append((t, result, data))
             refused |= result.status in ERRORS
         planned.append((root, results))
@@ -320,28 +381,45 @@ def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, s
         notes = ["nothing was written"] if refused else ["dry run: nothing was written"]
         return Report("apply", _fold_not_installed(outcomes), code, notes=notes)
 
-    for root, _ in planned:
-        outcomes += _commit_apply(root, [t for t in by_root[root]])
+    notes: list[str] = []
+    for root, results in planned:
+        done, settled = _commit_apply(root, results)
+        outcomes += done
+        notes += settled
     code = EXIT_REFUSED if any(o.status in ERRORS for o in outcomes) else EXIT_OK
-    return Report("apply", _fold_not_installed(outcomes), code)
+    return Report("apply", _fold_not_installed(outcomes), code, notes=notes)
 
 
-def _commit_apply(root: Path, group: list[_Target]) -> list[Outcome]:
-    """Under the root's lock: re-read, re-transform (another process may have won), write."""
+def _commit_apply(root: Path, planned: list[tuple[_Target, Result, bytes]]) -> tuple[list[Outcome], list[str]]:
+    """Under the root's lock: settle an interrupted run, re-read, re-transform (another process may have won), write.
+
+    A root where the plan found nothing to write and nothing was interrupted is reported
+    without taking the lock (nor creating the state folder): a read-only image that is
+    already patched verifies and re-applies cleanly.
+    """
     state = StateDir(root)
-    outcomes: list[Outcome] = []
+    tx = Transaction(root)
+    group = [t for t, _, _ in planned]
+    relpaths = [t.located.relpath for t in group if t.located is not None]
     try:
+        if not any(r.status == "applied" for _, r, _ in planned) and not tx.needs_recovery(
+            _load_manifest(root), relpaths
+        ):
+            return [_outcome(t, r.status, message=r.message, variant=r.variant) for t, r, _ in planned], []
+        tx.check_writable(relpaths, [_record_rel(t) for t in group])
         with state.lock():
             manifest = _load_manifest(root)
+            notes = tx.recover(manifest, relpaths)
+            outcomes: list[Outcome] = []
             writes: list[Write] = []
             pending: list[tuple[_Target, Result]] = []
             for t in group:
                 loc = t.located
                 assert loc is not None
                 data = _read(loc.path)
-                result = transform(t.spec, data, path=loc.relpath, version=loc.version)
+                result = _transform(t, data)
                 if result.status == "applied":
-                    entry = _entry(t, result, data, 0)
+                    entry = _entry(t, result, data)
                     writes.append(Write(loc.relpath, data, result.new or b"", entry, record=entry.record))
                     pending.append((t, result))
                 else:
@@ -349,17 +427,18 @@ def _commit_apply(root: Path, group: list[_Target]) -> list[Outcome]:
             if any(o.status in ERRORS for o in outcomes):
                 return outcomes + [
                     _outcome(t, "not-applied", message="another patch in this root was refused") for t, _ in pending
-                ]
-            Transaction(root).commit(writes, manifest)
+                ], notes
+            if writes:
+                tx.commit(writes, manifest)
     except TransactionError as exc:
-        raise UsageError(f"nothing was changed in {root}: {exc.strerror or exc}") from None
-    except PermissionError as exc:
-        raise UsageError(f"cannot write in {root}: {exc.strerror} ({exc.filename}); nothing was changed") from None
+        raise _write_error(root, exc) from None
+    except OSError as exc:
+        raise _write_error(root, exc) from None
     for t, result in pending:
         outcomes.append(
             _outcome(t, "applied", message=result.message, variant=result.variant, details={"edits": result.edits})
         )
-    return outcomes
+    return outcomes, notes
 
 
 # ---------------------------------------------------------------- revert
@@ -374,53 +453,54 @@ def revert(ids: Sequence[str], roots: Sequence[Path], *, force: bool = False, sp
         assert t.located is not None
         by_root.setdefault(t.located.root, []).append(t)
     outcomes: list[Outcome] = []
+    notes: list[str] = []
     refused = False
-    plans = []
     for root, group in by_root.items():
         state = StateDir(root)
-        if not state.exists():
-            outcomes += [_outcome(t, NOT_APPLIED, message="no fp32patch record in this root") for t in group]
+        peek = _load_manifest(root)
+        recorded = [t for t in group if t.located and peek.find(t.spec.id, t.located.relpath)]
+        tx = Transaction(root)
+        relpaths = [t.located.relpath for t in group if t.located is not None]
+        if not recorded and not tx.needs_recovery(peek, relpaths):
+            why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
+            outcomes += [_outcome(t, NOT_APPLIED, message=why) for t in group]
             continue
-        plans.append((root, group))
-    for root, group in plans:
-        state = StateDir(root)
         try:
+            tx.check_writable(relpaths, [e.record for e in peek.entries])
             with state.lock():
                 manifest = _load_manifest(root)
+                notes += tx.recover(manifest, relpaths)
                 writes: list[Write] = []
                 done: list[Outcome] = []
                 for t in group:
                     out, write = _plan_revert(t, manifest, state, force)
-                    refused |= out.status in ("drifted", "error")
                     done.append(out)
                     if write is not None:
                         writes.append(write)
-                if refused:
+                if any(o.status in ("drifted", "error") for o in done):
+                    # all of this root or none of it; other roots are reverted on their own
+                    refused = True
+                    for o in done:
+                        if o.status == "reverted":  # planned, not written: it is still what it was
+                            o.status = DRIFTED if o.details.get("forced") else APPLIED
+                            o.message = "not reverted: another file in this root was refused"
                     outcomes += done
                     continue
-                displaced = (
-                    Transaction(root).commit([w for w in writes if w.after != w.before], manifest) if writes else []
-                )
-                if any(w.after == w.before for w in writes):
-                    for w in writes:
-                        if w.after == w.before and w.drop:
-                            manifest.drop(*w.drop)
-                    state.save(manifest)
+                displaced = tx.commit(writes, manifest) if writes else []
                 for out in done:
                     if displaced and out.status == "reverted" and out.details.get("forced"):
                         out.details["displaced"] = [str(p) for p in displaced]
                         out.message += f"; the changed file is kept at {', '.join(map(str, displaced))}"
                 outcomes += done
-        except TransactionError as exc:
-            raise UsageError(f"nothing was changed in {root}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise _write_error(root, exc) from None
     if not outcomes:
         return Report("revert", [], EXIT_OK, notes=["nothing to revert: no patched target found"])
     code = EXIT_REFUSED if refused else EXIT_OK
-    notes = (
-        ["nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"]
-        if refused
-        else []
-    )
+    if refused:
+        notes.append(
+            "nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"
+        )
     return Report("revert", outcomes, code, notes=notes)
 
 
@@ -477,7 +557,7 @@ def diff(ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = N
             status = APPLIED if sha256(data) == entry.sha256_after else DRIFTED
             outcomes.append(_outcome(t, status, diff=unified_diff(original, data, loc.relpath)))
             continue
-        result = transform(t.spec, data, path=loc.relpath, version=loc.version)
+        result = _transform(t, data)
         if result.status == "applied":
             outcomes.append(
                 _outcome(

@@ -22,6 +22,14 @@ SCHEMA = 1
 STATE_DIR = ".fp32patch"
 MANIFEST = "manifest.json"
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+# a RECORD fp32patch keeps in step is a top-level dist-info's; nothing else is ever rewritten
+_RECORD_RE = re.compile(r"^[^/]+\.dist-info/RECORD$")
+
+# Entry states. "pending": an apply has recorded its intent and may not have replaced the
+# file yet; "reverting": a revert has. A crash leaves them; the next apply or revert settles
+# them by the file's bytes (transaction.Transaction.recover).
+APPLIED, PENDING, REVERTING = "applied", "pending", "reverting"
+STATES = (APPLIED, PENDING, REVERTING)
 
 
 class ManifestError(ValueError):
@@ -41,7 +49,7 @@ class Entry:
     mode: int  # permission bits of the file as found
     record: str | None  # the dist-info RECORD rewritten alongside, relative to the root
     applied_at: str
-    state: str = "applied"  # "pending" while a transaction is writing
+    state: str = APPLIED  # PENDING or REVERTING while a transaction is writing
     tool_version: str = __version__
 
 
@@ -59,6 +67,9 @@ class Manifest:
 
     def drop(self, patch: str, path: str) -> None:
         self.entries = [e for e in self.entries if not (e.patch == patch and e.path == path)]
+
+    def interrupted(self) -> list[Entry]:
+        return [e for e in self.entries if e.state != APPLIED]
 
     def dumps(self) -> bytes:
         data = {
@@ -118,11 +129,13 @@ def loads(raw: bytes, where: str) -> Manifest:
         safe_relpath(entry.path, f"{at}.path")
         if entry.record is not None:
             safe_relpath(entry.record, f"{at}.record")
+            if not _RECORD_RE.match(entry.record):
+                raise ManifestError(f"{at}.record: {entry.record!r} is not a top-level *.dist-info/RECORD")
         _sha(entry.sha256_before, f"{at}.sha256_before")
         _sha(entry.sha256_after, f"{at}.sha256_after")
         if not isinstance(entry.mode, int) or not 0 <= entry.mode <= 0o7777:
             raise ManifestError(f"{at}.mode: expected permission bits, got {entry.mode!r}")
-        if entry.state not in ("pending", "applied"):
-            raise ManifestError(f"{at}.state: expected 'pending' or 'applied', got {entry.state!r}")
+        if entry.state not in STATES:
+            raise ManifestError(f"{at}.state: expected one of {', '.join(STATES)}, got {entry.state!r}")
         entries.append(entry)
     return Manifest(entries=entries, tool_version=written_by)

@@ -1,13 +1,19 @@
-"""The only code that writes: lock, keep originals, atomic replace, RECORD, bytecode, rollback.
+"""The only code that writes target files: keep originals, record intent, replace, settle, roll back.
 
-One ``Transaction`` per import root. ``commit`` writes every planned file or, on any
-failure, puts back every file it had already replaced; a crash between steps leaves
-each file whole (either its old or its new bytes, never a mix), because each write is a
-temp file + fsync + ``os.replace`` in the same folder. ``os.replace`` also gives the path
-a new inode, so the other names of a hardlinked file (a uv cache, another environment)
-keep the old bytes. Originals are stored by content hash before any target is touched,
-and the manifest names each file's before/after hashes before the file changes, so the
-state after a crash can always be told and completed or undone.
+One ``Transaction`` per import root, always under that root's lock. ``commit`` goes:
+
+1. keep every original (content-addressed) and every displaced byte string;
+2. record intent: each entry to write is ``pending`` (apply) or ``reverting`` (revert)
+   in the manifest, which names the file's sha256 before and after;
+3. replace each file (atomic: old or new bytes, never a mix), then its RECORD row and
+   its bytecode;
+4. settle the manifest (``applied``, or the entry dropped).
+
+On an exception it puts back every file it had replaced, then the previous manifest. A
+kill at any point leaves each file whole and the intent on disk, so ``recover`` (run
+first by the next apply or revert, under the lock) can tell from the file's bytes which
+side of the replace it is on and finish the rest: RECORD, bytecode, manifest, temp files.
+Nothing here parses Python.
 """
 
 from __future__ import annotations
@@ -16,159 +22,20 @@ import base64
 import contextlib
 import csv
 import errno
-import fcntl
 import hashlib
 import importlib.util
 import io
 import os
 import py_compile
-import signal
-import stat
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
+from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_follow, stale_temps, step
+from fp32patch.patcher.state import StateDir, sha256
 
-
-class TransactionError(OSError):
-    """The root cannot be written as planned; nothing was left changed."""
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-# Crash-test hook: FP32PATCH_CRASH_AT=N sends SIGKILL to this process at the N-th write
-# step (1-based), so tests can prove every step leaves a recoverable state. Unset, inert.
-_crash_at = int(os.environ.get("FP32PATCH_CRASH_AT", "0") or 0)
-_steps = 0
-
-
-def _step() -> None:
-    global _steps
-    _steps += 1
-    if _crash_at and _steps == _crash_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, *, mode: int | None = None, like: os.stat_result | None = None) -> None:
-    """Replace ``path`` with ``data``: temp file in the same folder, fsync, rename, fsync folder.
-
-    ``mode`` gives the permission bits (default: those of ``like``, else 0o644 under umask);
-    as root, ownership follows ``like`` too.
-    """
-    folder = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".fp32patch-tmp", dir=folder)
-    try:
-        bits = mode if mode is not None else (stat.S_IMODE(like.st_mode) if like else 0o644 & ~_umask())
-        os.fchmod(fd, bits)
-        if like is not None and os.geteuid() == 0 and (like.st_uid, like.st_gid) != (0, 0):
-            os.fchown(fd, like.st_uid, like.st_gid)
-        with os.fdopen(fd, "wb") as fh:
-            fd = -1
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _step()
-        os.replace(tmp, path)
-        _step()
-        _fsync_dir(folder)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-class StateDir:
-    """``<root>/.fp32patch``: the manifest, the kept originals and the lock of one root."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.path = root / mf.STATE_DIR
-        self.manifest_path = self.path / mf.MANIFEST
-        self.originals = self.path / "originals"
-        self.displaced = self.path / "displaced"
-
-    def exists(self) -> bool:
-        return self.manifest_path.exists()
-
-    def ensure(self) -> None:
-        # never wider than the root itself: 0o755 root -> 0o755 state, 0o700 root -> 0o700
-        bits = stat.S_IMODE(self.root.stat().st_mode) & 0o755
-        for folder in (self.path, self.originals):
-            if folder.is_symlink():
-                raise TransactionError(errno.ELOOP, f"{folder} is a symbolic link; refusing to use it as state")
-            folder.mkdir(mode=bits, exist_ok=True)
-
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """An exclusive lock on this root, held across read-compute-write."""
-        self.ensure()
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
-    def load(self) -> mf.Manifest:
-        try:
-            raw = self.manifest_path.read_bytes()
-        except FileNotFoundError:
-            return mf.Manifest()
-        return mf.loads(raw, str(self.manifest_path))
-
-    def save(self, manifest: mf.Manifest) -> None:
-        atomic_write(self.manifest_path, manifest.dumps(), mode=0o644 & stat.S_IMODE(self.path.stat().st_mode))
-
-    def keep(self, data: bytes) -> str:
-        """Store ``data`` under its hash (once) and return the hash."""
-        digest = sha256(data)
-        dest = self.originals / digest
-        if not (dest.is_file() and sha256(dest.read_bytes()) == digest):
-            atomic_write(dest, data, mode=0o644 & stat.S_IMODE(self.path.stat().st_mode))
-        return digest
-
-    def original(self, digest: str) -> bytes:
-        """The kept bytes with this hash; an error if missing or not matching."""
-        dest = self.originals / digest
-        if dest.is_symlink():
-            raise TransactionError(errno.ELOOP, f"kept original {dest} is a symbolic link; refusing it")
-        try:
-            data = dest.read_bytes()
-        except FileNotFoundError:
-            raise TransactionError(errno.ENOENT, f"the kept original {dest} is missing") from None
-        if sha256(data) != digest:
-            raise TransactionError(errno.EIO, f"the kept original {dest} does not match its recorded sha256")
-        return data
-
-    def displace(self, data: bytes) -> Path:
-        """Keep bytes that a forced revert overwrites, so nothing is lost."""
-        if not self.displaced.is_dir():
-            self.displaced.mkdir(mode=stat.S_IMODE(self.path.stat().st_mode))
-        dest = self.displaced / sha256(data)
-        if not dest.exists():
-            atomic_write(dest, data, mode=0o644 & stat.S_IMODE(self.path.stat().st_mode))
-        return dest
+__all__ = ["StateDir", "Transaction", "TransactionError", "Write", "sha256", "describe_os_error"]
 
 
 # ---------------------------------------------------------------- RECORD and bytecode
@@ -182,13 +49,19 @@ def rewrite_record(record: bytes, relpath: str, data: bytes) -> bytes | None:
     """RECORD with ``relpath``'s row set to ``data``'s hash and size; None if it has no row.
 
     Only that row's text changes: every other byte (order, quoting, line endings) stays,
-    so a revert gives back the RECORD it found.
+    so a revert gives back the RECORD it found. A RECORD that is not UTF-8 CSV is left alone.
     """
-    lines = record.decode("utf-8").splitlines(keepends=True)
+    try:
+        lines = record.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return None
     hit = False
     for i, line in enumerate(lines):
         body = line.rstrip("\r\n")
-        row = next(csv.reader([body]), [])
+        try:
+            row = next(csv.reader([body]), [])
+        except csv.Error:
+            continue
         if row and row[0] == relpath:
             out = io.StringIO()
             csv.writer(out, lineterminator="").writerow([row[0], record_hash(data), str(len(data)), *row[3:]])
@@ -205,7 +78,7 @@ def refresh_bytecode(path: Path) -> None:
     existed is rebuilt with checked-hash invalidation: correct whatever the timestamps.
     """
     cache = path.parent / "__pycache__"
-    if not cache.is_dir():
+    if not cache.is_dir() or cache.is_symlink():
         return
     ours = Path(importlib.util.cache_from_source(str(path)))
     had_ours = ours.exists()
@@ -220,6 +93,18 @@ def refresh_bytecode(path: Path) -> None:
             )
 
 
+def describe_os_error(exc: OSError) -> str:
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def _read_only_fs(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------- the transaction
 
 
@@ -229,8 +114,8 @@ class Write:
 
     relpath: str
     before: bytes
-    after: bytes
-    entry: mf.Entry | None  # recorded after the write; None drops (patch, relpath) instead
+    after: bytes  # equal to ``before``: no file write, only the manifest change
+    entry: mf.Entry | None  # recorded with the write; None for a revert, which drops ``drop``
     drop: tuple[str, str] | None = None
     record: str | None = None  # dist-info RECORD (relative to root) to keep in step
     displace: bool = False  # keep the bytes being overwritten (forced revert)
@@ -241,11 +126,133 @@ class Transaction:
         self.root = root
         self.state = StateDir(root)
 
-    def _check_writable(self, writes: list[Write]) -> None:
-        folders = {self.root} | {(self.root / w.relpath).resolve().parent for w in writes}
+    # -- paths: every file written or read back must be inside the root
+
+    def target(self, relpath: str) -> Path:
+        """The real file behind ``relpath``; an error if it (or a folder on the way) leads out of the root."""
+        path = self.root / relpath
+        resolved = path.resolve()
+        try:
+            resolved.relative_to(self.root.resolve())
+        except ValueError:
+            raise TransactionError(
+                errno.EXDEV, f"{path} leads outside the import root {self.root} (to {resolved}); refusing it"
+            ) from None
+        return resolved
+
+    def _record(self, relpath: str | None) -> Path | None:
+        if relpath is None:
+            return None
+        record = self.root / relpath
+        if record.is_symlink() or record.parent.is_symlink():
+            raise TransactionError(errno.ELOOP, f"{record} is (or is inside) a symbolic link; refusing to rewrite it")
+        return record
+
+    def check_writable(self, relpaths: Iterable[str], records: Iterable[str | None] = ()) -> None:
+        """Refuse up front, before the state folder or any file is created, if a folder is not writable.
+
+        ``os.access`` answers for this process: as root it passes permission bits (root can
+        write there) but still reports a read-only file system.
+        """
+        folders = {self.state.path if self.state.path.is_dir() else self.root}
+        folders |= {self.target(r).parent for r in relpaths}
+        folders |= {(self.root / r).parent for r in records if r is not None}
         for folder in sorted(folders):
             if not os.access(folder, os.W_OK | os.X_OK):
-                raise TransactionError(errno.EACCES, f"cannot write in {folder}: permission denied")
+                if _read_only_fs(folder):
+                    raise TransactionError(errno.EROFS, f"{folder} is on a read-only file system")
+                raise TransactionError(errno.EACCES, f"no permission to write in {folder}")
+
+    # -- RECORD
+
+    def _sync_record(self, record_rel: str | None, relpath: str, data: bytes) -> bytes | None:
+        """Set ``relpath``'s RECORD row to ``data``; returns the RECORD's previous bytes (None: untouched)."""
+        record = self._record(record_rel)
+        if record is None:
+            return None
+        try:
+            current = read_no_follow(record)
+        except FileNotFoundError:
+            return None
+        # RECORD rows are relative to the folder that holds the .dist-info: the root
+        new = rewrite_record(current, relpath, data)
+        if new is None or new == current:
+            return None
+        atomic_write(record, new, like=record.stat())
+        return current
+
+    # -- recovery
+
+    def _stale_temps(self, manifest: mf.Manifest, relpaths: Iterable[str]) -> list[Path]:
+        """Our temp files in the state folders and beside every file this root writes."""
+        stale: list[Path] = []
+        for folder in self.state.folders():
+            with contextlib.suppress(TransactionError):
+                if self.state._real_dir(folder):
+                    stale += stale_temps(folder)
+        wanted: dict[Path, set[str]] = {}
+        for rel in [*(e.path for e in manifest.entries), *(e.record or "" for e in manifest.entries), *relpaths]:
+            if rel:
+                with contextlib.suppress(TransactionError):
+                    path = self.target(rel)
+                    wanted.setdefault(path.parent, set()).add(path.name)
+        for folder, names in wanted.items():
+            stale += stale_temps(folder, names)
+        return stale
+
+    def needs_recovery(self, manifest: mf.Manifest, relpaths: Iterable[str] = ()) -> bool:
+        """Whether an interrupted run left something for ``recover`` (checked without the lock)."""
+        return bool(manifest.interrupted()) or bool(self._stale_temps(manifest, list(relpaths)))
+
+    def recover(self, manifest: mf.Manifest, relpaths: Iterable[str] = ()) -> list[str]:
+        """Finish what an interrupted run left: temp files, interrupted entries. Returns notes.
+
+        Call under the lock with the manifest just read; saves it if it changed. For each
+        ``pending``/``reverting`` entry the file's bytes decide: the after-hash means the
+        replace happened (the entry is settled as applied), the before-hash means it did not
+        or was undone (the entry is dropped); either way the RECORD row and the bytecode are
+        made to match the bytes that are there. Other bytes: the entry is kept as applied,
+        so the file reads as drifted, as any file changed after patching does.
+        """
+        notes: list[str] = []
+        stale = self._stale_temps(manifest, relpaths)
+        for tmp in stale:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        if stale:
+            notes.append(
+                f"removed {len(stale)} temporary file(s) left by an interrupted fp32patch run: "
+                + ", ".join(str(p) for p in stale)
+            )
+
+        settled = manifest.interrupted()
+        for entry in settled:
+            what = "apply" if entry.state == mf.PENDING else "revert"
+            try:
+                path = self.target(entry.path)
+                data: bytes | None = path.read_bytes()
+            except (FileNotFoundError, TransactionError):
+                path, data = None, None
+            current = sha256(data) if data is not None else None
+            if path is not None and data is not None and current in (entry.sha256_after, entry.sha256_before):
+                self._sync_record(entry.record, entry.path, data)
+                refresh_bytecode(path)
+                if current == entry.sha256_after:
+                    entry.state = mf.APPLIED
+                    notes.append(f"settled an interrupted {what} of {entry.path}: its patched bytes are in place")
+                else:
+                    manifest.drop(entry.patch, entry.path)
+                    notes.append(f"settled an interrupted {what} of {entry.path}: its original bytes are in place")
+            else:
+                entry.state = mf.APPLIED
+                notes.append(
+                    f"an interrupted {what} left {entry.path} with bytes it did not write; it reads as changed"
+                )
+        if settled:
+            self.state.save(manifest)
+        return notes
+
+    # -- commit
 
     def commit(self, writes: list[Write], manifest: mf.Manifest) -> list[Path]:
         """Write every file in ``writes`` (whose current bytes must be ``before``), or none.
@@ -253,75 +260,74 @@ class Transaction:
         The caller holds ``self.state.lock()`` and passes the manifest it read under it.
         Returns the paths of bytes displaced by forced reverts.
         """
-        self._check_writable(writes)
-        targets = [(w, (self.root / w.relpath).resolve()) for w in writes]
-        for w, path in targets:
+        self.check_writable([w.relpath for w in writes], [w.record for w in writes])
+        planned: list[tuple[Write, Path]] = []
+        for w in writes:
+            path = self.target(w.relpath)
             if sha256(path.read_bytes()) != sha256(w.before):
                 raise TransactionError(errno.EAGAIN, f"{path} changed while fp32patch was working; run it again")
+            planned.append((w, path))
 
-        previous = manifest.dumps()
+        previous = self.state.raw_manifest()
         displaced = [self.state.displace(w.before) for w in writes if w.displace]
+        kept_now: list[str] = []
         for w in writes:  # 1. every original is kept before anything changes
             if w.entry is not None:
-                self.state.keep(w.before)
-        _step()
+                digest, stored = self.state.keep(w.before)
+                if stored:
+                    kept_now.append(digest)
+        step()
         for w in writes:  # 2. intent: the manifest names before/after of each file
             if w.entry is not None:
-                w.entry.state = "pending"
+                w.entry.state = mf.PENDING
                 manifest.put(w.entry)
+            if w.drop is not None and (entry := manifest.find(*w.drop)) is not None:
+                entry.state = mf.REVERTING
         self.state.save(manifest)
-        _step()
+        step()
 
         done: list[tuple[Write, Path, os.stat_result, bytes | None]] = []
         try:
-            for w, path in targets:  # 3. the files themselves
+            for w, path in planned:  # 3. the files themselves
+                if w.after == w.before:
+                    continue
                 st = path.stat()
-                record_before = self._record_bytes(w)
                 atomic_write(path, w.after, like=st)
-                done.append((w, path, st, record_before))
-                self._sync_record(w, w.after)
+                done.append((w, path, st, None))  # from here on, a failure must put the file back
+                done[-1] = (w, path, st, self._sync_record(w.record, w.relpath, w.after))
                 refresh_bytecode(path)
+                step()
         except BaseException:
-            self._rollback(done)
-            atomic_write(self.state.manifest_path, previous, like=self.state.manifest_path.stat())
+            self._rollback(done, previous, kept_now)
             raise
         for w in writes:  # 4. settle the record
             if w.entry is not None:
-                w.entry.state = "applied"
+                w.entry.state = mf.APPLIED
             if w.drop is not None:
                 manifest.drop(*w.drop)
         self.state.save(manifest)
         return displaced
 
-    def _record_bytes(self, w: Write) -> bytes | None:
-        if w.record is None:
-            return None
-        try:
-            return (self.root / w.record).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def _sync_record(self, w: Write, data: bytes) -> None:
-        if w.record is None:
-            return
-        record = self.root / w.record
-        current = self._record_bytes(w)
-        if current is None:
-            return
-        # RECORD rows are relative to the folder that holds the .dist-info
-        rel = os.path.relpath(self.root / w.relpath, record.parent.parent).replace(os.sep, "/")
-        new = rewrite_record(current, rel, data)
-        if new is not None and new != current:
-            atomic_write(record, new, like=record.stat())
-
-    def _rollback(self, done: list[tuple[Write, Path, os.stat_result, bytes | None]]) -> None:
+    def _rollback(
+        self, done: list[tuple[Write, Path, os.stat_result, bytes | None]], previous: bytes | None, kept: list[str]
+    ) -> None:
+        failed: list[str] = []
         for w, path, st, record_before in reversed(done):
-            atomic_write(path, w.before, like=st)
-            if record_before is not None and w.record is not None:
-                atomic_write(self.root / w.record, record_before, like=(self.root / w.record).stat())
-            refresh_bytecode(path)
-
-
-def describe_os_error(exc: OSError) -> str:
-    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-    return f"{exc.strerror or exc}{where}"
+            try:
+                atomic_write(path, w.before, like=st)
+                record = self._record(w.record)
+                if record_before is not None and record is not None:
+                    atomic_write(record, record_before, like=record.stat())
+                refresh_bytecode(path)
+            except OSError as exc:
+                failed.append(f"{path}: {describe_os_error(exc)}")
+        if failed:
+            # the manifest keeps its intent entries: the next apply or revert settles them
+            raise TransactionError(
+                errno.EIO,
+                "the rollback could not put back " + "; ".join(failed) + ". Each file is whole (old or new bytes); "
+                "run `fp32patch apply` or `fp32patch revert` again to settle the rest",
+            )
+        self.state.restore_manifest(previous)
+        for digest in kept:  # stored by this transaction, referenced by nothing now
+            self.state.forget(digest)

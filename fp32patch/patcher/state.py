@@ -1,0 +1,158 @@
+"""``<root>/.fp32patch``: the manifest, the kept originals, displaced bytes and the lock of one root.
+
+Everything in this folder is read back later, so it is input too, and may have been
+tampered with. Its folders must be real folders (a symlink could lead a write or a read
+outside the root), its files are read without following symlinks, and a kept original
+is used only if its bytes hash to the name it is kept under. Nothing here is created
+wider than the root itself or than the umask allows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from fp32patch.patcher import manifest as mf
+from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_follow, umask
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class StateDir:
+    def __init__(self, root: Path):
+        self.root = root
+        self.path = root / mf.STATE_DIR
+        self.manifest_path = self.path / mf.MANIFEST
+        self.originals = self.path / "originals"
+        self.displaced = self.path / "displaced"
+        self.lock_path = self.path / "lock"
+
+    def exists(self) -> bool:
+        return os.path.lexists(self.manifest_path)
+
+    def _real_dir(self, folder: Path) -> bool:
+        """True if ``folder`` is a real folder, False if absent; an error for anything else."""
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            raise TransactionError(errno.ELOOP, f"{folder} is a symbolic link; refusing to use it as fp32patch state")
+        if not stat.S_ISDIR(st.st_mode):
+            raise TransactionError(errno.ENOTDIR, f"{folder} is not a folder; move it aside to use fp32patch here")
+        return True
+
+    def _mkdir(self, folder: Path) -> None:
+        if not self._real_dir(folder):
+            # never wider than the root itself (mkdir applies the umask on top)
+            bits = stat.S_IMODE(self.root.stat().st_mode) & 0o755
+            with contextlib.suppress(FileExistsError):  # another process made it first
+                folder.mkdir(mode=bits)
+            self._real_dir(folder)
+
+    def _file_bits(self) -> int:
+        return 0o644 & ~umask() & stat.S_IMODE(self.path.stat().st_mode)
+
+    def ensure(self) -> None:
+        self._mkdir(self.path)
+        self._mkdir(self.originals)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """An exclusive lock on this root, held across read-compute-write."""
+        self.ensure()
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise TransactionError(errno.ELOOP, f"{self.lock_path} is a symbolic link; refusing it") from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def load(self) -> mf.Manifest:
+        if not self._real_dir(self.path):
+            return mf.Manifest()
+        try:
+            raw = read_no_follow(self.manifest_path)
+        except FileNotFoundError:
+            return mf.Manifest()
+        except TransactionError as exc:
+            raise mf.ManifestError(str(exc.strerror)) from None
+        return mf.loads(raw, str(self.manifest_path))
+
+    def raw_manifest(self) -> bytes | None:
+        try:
+            return read_no_follow(self.manifest_path)
+        except FileNotFoundError:
+            return None
+
+    def save(self, manifest: mf.Manifest) -> None:
+        atomic_write(self.manifest_path, manifest.dumps(), mode=self._file_bits())
+
+    def restore_manifest(self, raw: bytes | None) -> None:
+        """Put back the manifest as it was (``None``: there was none)."""
+        if raw is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.manifest_path.unlink()
+        else:
+            atomic_write(self.manifest_path, raw, mode=self._file_bits())
+
+    def keep(self, data: bytes) -> tuple[str, bool]:
+        """Store ``data`` under its hash (once); the hash, and whether it was stored now."""
+        digest = sha256(data)
+        dest = self.originals / digest
+        self._real_dir(self.originals)
+        try:
+            if sha256(read_no_follow(dest)) == digest:
+                return digest, False
+        except (FileNotFoundError, TransactionError):
+            pass  # absent, or a symlink: atomic_write replaces the link itself
+        atomic_write(dest, data, mode=self._file_bits())
+        return digest, True
+
+    def forget(self, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.originals / digest).unlink()
+
+    def original(self, digest: str) -> bytes:
+        """The kept bytes with this hash; an error if missing, a symlink, or not matching."""
+        dest = self.originals / digest
+        if not (self._real_dir(self.path) and self._real_dir(self.originals)):
+            raise TransactionError(errno.ENOENT, f"the kept original {dest} is missing")
+        try:
+            data = read_no_follow(dest)
+        except FileNotFoundError:
+            raise TransactionError(errno.ENOENT, f"the kept original {dest} is missing") from None
+        except IsADirectoryError:
+            raise TransactionError(errno.EISDIR, f"the kept original {dest} is not a file") from None
+        if sha256(data) != digest:
+            raise TransactionError(errno.EIO, f"the kept original {dest} does not match its recorded sha256")
+        return data
+
+    def displace(self, data: bytes) -> Path:
+        """Keep bytes that a forced revert overwrites, so nothing is lost."""
+        self._mkdir(self.displaced)
+        dest = self.displaced / sha256(data)
+        try:
+            if read_no_follow(dest) == data:
+                return dest
+        except (FileNotFoundError, TransactionError):
+            pass
+        atomic_write(dest, data, mode=self._file_bits())
+        return dest
+
+    def folders(self) -> list[Path]:
+        return [self.path, self.originals, self.displaced]
