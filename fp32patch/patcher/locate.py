@@ -155,9 +155,11 @@ def locate(spec: Spec, root: Path) -> Located | None:
         target = base / spec.target.path
         if not (target.is_file() or target.is_symlink()):
             continue
-        if target.is_symlink() and not inside(base, target):
+        if not inside(base, target):
+            # the file itself, or a folder on the way to it, is a symlink leading elsewhere
+            how = "is a symbolic link to" if target.is_symlink() else "leads (through a symlinked folder) to"
             raise LocateError(
-                f"{target} is a symbolic link to {os.path.realpath(target)}, outside the import root "
+                f"{target} {how} {os.path.realpath(target)}, outside the import root "
                 f"{base}; fp32patch edits files only inside the root it was given"
             )
         if dist is None:

@@ -224,6 +224,15 @@ def _check_python(f: _Fields, key: str, code: str, *, pattern: bool = False) -> 
         f.fail(key, f"not valid Python ({exc.msg}, line {exc.lineno})")
 
 
+_EDIT_FIELDS = ("catches", "code", "count", "id", "match", "op", "params", "regex", "scope", "skip_when")
+
+
+def _known_edit_fields(source: str, where: str, table: dict[str, Any]) -> None:
+    unknown = sorted(set(table) - set(_EDIT_FIELDS))
+    if unknown:
+        raise SpecError(f"{source}: {where}.{unknown[0]}: unknown field (known: {', '.join(_EDIT_FIELDS)})")
+
+
 def _edit(source: str, where: str, table: Any, known_ops: dict[str, Any]) -> Edit:
     f = _Fields(source, where, table)
     edit_id = f.string("id", required=True)
@@ -287,6 +296,7 @@ def parse_spec(text: str, source: str) -> Spec:
         edit_id = table.get("id")
         if edit_id in by_id:
             top.fail(f"edits[{i}].id", f"duplicate edit id {edit_id!r}")
+        _known_edit_fields(source, f"edits[{i}]", table)  # named where it is written, not where merged
         by_id[str(edit_id)] = table
 
     variants: list[Variant] = []
@@ -308,6 +318,7 @@ def parse_spec(text: str, source: str) -> Spec:
                 vf.fail(f"edits.{edit_id}", "expected a table of edit fields")
             if "id" in override or "op" in override:
                 vf.fail(f"edits.{edit_id}", "a variant may not change an edit's id or op")
+            _known_edit_fields(source, f"variants[{i}].edits.{edit_id}", override)
             merged.update(override)
             where = f"edits[{j}]" if not override else f"variants[{i}].edits.{edit_id}"
             edits.append(_edit(source, where, merged, OPERATIONS))

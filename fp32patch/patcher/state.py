@@ -83,12 +83,14 @@ class StateDir:
             os.close(fd)
 
     def load(self) -> mf.Manifest:
-        if not self._real_dir(self.path):
-            return mf.Manifest()
         try:
+            if not self._real_dir(self.path):
+                return mf.Manifest()
             raw = read_no_follow(self.manifest_path)
         except FileNotFoundError:
             return mf.Manifest()
+        except IsADirectoryError:
+            raise mf.ManifestError(f"{self.manifest_path}: is a folder, not a manifest") from None
         except TransactionError as exc:
             raise mf.ManifestError(str(exc.strerror)) from None
         return mf.loads(raw, str(self.manifest_path))

@@ -160,8 +160,8 @@ class Transaction:
         for folder in sorted(folders):
             if not os.access(folder, os.W_OK | os.X_OK):
                 if _read_only_fs(folder):
-                    raise TransactionError(errno.EROFS, f"{folder} is on a read-only file system")
-                raise TransactionError(errno.EACCES, f"no permission to write in {folder}")
+                    raise TransactionError(errno.EROFS, f"{folder}: read-only file system")
+                raise TransactionError(errno.EACCES, f"{folder}: permission denied (uid {os.geteuid()})")
 
     # -- RECORD
 
@@ -297,15 +297,15 @@ class Transaction:
                 done[-1] = (w, path, st, self._sync_record(w.record, w.relpath, w.after))
                 refresh_bytecode(path)
                 step()
+            for w in writes:  # 4. settle the record (a failure here still undoes the files)
+                if w.entry is not None:
+                    w.entry.state = mf.APPLIED
+                if w.drop is not None:
+                    manifest.drop(*w.drop)
+            self.state.save(manifest)
         except BaseException:
             self._rollback(done, previous, kept_now)
             raise
-        for w in writes:  # 4. settle the record
-            if w.entry is not None:
-                w.entry.state = mf.APPLIED
-            if w.drop is not None:
-                manifest.drop(*w.drop)
-        self.state.save(manifest)
         return displaced
 
     def _rollback(

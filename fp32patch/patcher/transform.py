@@ -9,6 +9,7 @@ encoding declaration, byte-order mark, line endings, indentation and final newli
 
 from __future__ import annotations
 
+import ast
 import difflib
 from dataclasses import dataclass, field
 
@@ -54,6 +55,17 @@ def _decode(source: bytes) -> tuple[str, bool]:
     return source[len(_BOM) :].decode("utf-8") if bom else source.decode("utf-8"), bom
 
 
+def _syntax_error(text: str, exc: cst.ParserSyntaxError) -> str:
+    """Where the file is broken, as Python itself says it (libcst's positions can trail the cause)."""
+    try:
+        compile(text, "<target>", "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+    except SyntaxError as py:
+        return f"syntax error at line {py.lineno}: {py.msg}; reinstall the package to get its original file"
+    except ValueError as py:  # e.g. a NUL byte
+        return str(py)
+    return f"Python parses it but libcst does not (line {exc.raw_line}: {exc.message})"
+
+
 def transform(spec: Spec, source: bytes, *, path: str, version: str | None) -> Result:
     """Apply ``spec`` to ``source`` (the bytes of ``path`` in release ``version``)."""
     from fp32patch.patcher.spec import parse_version
@@ -72,9 +84,12 @@ def transform(spec: Spec, source: bytes, *, path: str, version: str | None) -> R
 
     try:
         text, bom = _decode(source)
+    except UnicodeDecodeError as exc:
+        return refuse("unparseable", f"the file is not Python this tool can parse: it is not UTF-8 ({exc})")
+    try:
         module = cst.parse_module(text)
-    except (UnicodeDecodeError, cst.ParserSyntaxError) as exc:
-        return refuse("unparseable", f"the file is not Python this tool can parse: {exc}")
+    except cst.ParserSyntaxError as exc:
+        return refuse("unparseable", f"the file is not Python this tool can parse: {_syntax_error(text, exc)}")
 
     variants = spec.variants_for(parsed_version)
     if not variants:
