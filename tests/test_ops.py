@@ -320,3 +320,11 @@ code = "b = 1"
     )
     result = transform(spec, b"def f():\n    x = 1\n    # fp32patch: t [one]\n    a = 1\n", path="m.py", version=None)
     assert result.status == "partially-applied" and "one" in result.message
+
+
+def test_marker_text_inside_a_string_is_not_a_marker():
+    """A docstring quoting the markers must not make an unpatched file read as patched."""
+    src = b'DOC = """\n# fp32patch: t [e]\n"""\n\n\nclass C:\n    def f(self, a):\n        return a\n'
+    result = transform(_spec(PREPEND), src, path="m.py", version=None)
+    assert result.status == "applied"
+    assert transform(_spec(PREPEND), result.new, path="m.py", version=None).status == "already-applied"

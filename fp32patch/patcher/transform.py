@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import difflib
+import io
+import tokenize
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -47,7 +49,21 @@ class Result:
 
 
 def markers_in(text: str, spec_id: str) -> set[str]:
-    return {m["edit"] for m in ops.MARKER_RE.finditer(text) if m["spec"] == spec_id}
+    """The edits of ``spec_id`` whose marker comment is in ``text``.
+
+    Only real comments on a line of their own count: marker-like text inside a string
+    (a docstring quoting a marker, say) must not make an unpatched file read as patched.
+    Text that does not tokenize (a broken file) is searched line by line instead.
+    """
+    try:
+        lines = [
+            tok.line
+            for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+            if tok.type == tokenize.COMMENT and not tok.line[: tok.start[1]].strip()
+        ]
+    except (tokenize.TokenError, SyntaxError):
+        lines = [text]
+    return {m["edit"] for line in lines for m in ops.MARKER_RE.finditer(line) if m["spec"] == spec_id}
 
 
 def _decode(source: bytes) -> tuple[str, bool]:
