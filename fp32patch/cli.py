@@ -91,6 +91,10 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
+        candidate = report.extra.get("candidate")
+        if candidate:
+            release = " ".join(str(candidate[k]) for k in ("distribution", "version") if candidate.get(k))
+            out.print(f"checking {release or 'a folder'} ({candidate['kind']} {candidate['path']})", soft_wrap=True)
         table = Table(show_edge=False, pad_edge=False)
         for column in ("patch", "status", "version", "file"):
             table.add_column(column, overflow="fold")
@@ -178,6 +182,27 @@ def diff(
 ) -> None:
     """Show each patch as a unified diff: the change it would make, or the one it made."""
     _run(engine.diff, patch or [], site_packages or [], spec_dir=specs, as_json=as_json, show_diff=True)
+
+
+@app.command()
+def check(
+    against: Annotated[
+        Path,
+        typer.Option(
+            "--against",
+            help="The candidate release: a wheel (*.whl), an sdist (*.tar.gz, *.zip) or a folder "
+            "(import root, source checkout, unpacked sdist).",
+            show_default=False,
+        ),
+    ],
+    patch: PatchIds = None,
+    as_json: Json = False,
+    specs: Specs = None,
+) -> None:
+    """Before an upgrade: would each patch apply to this release? (exit 3 if an anchor drifted; nothing installed)."""
+    from fp32patch.patcher.check import check as check_candidate
+
+    _run(check_candidate, against, patch or [], spec_dir=specs, as_json=as_json)
 
 
 @app.command(name="list")

@@ -76,13 +76,14 @@ class Report:
     outcomes: list[Outcome]
     exit_code: int
     notes: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # more top-level JSON fields (check: the candidate)
 
     @property
     def ok(self) -> bool:
         return self.exit_code == EXIT_OK
 
     def to_json(self) -> dict:
-        data = {"ok": self.ok, "command": self.command, "patches": [o.to_json() for o in self.outcomes]}
+        data = {"ok": self.ok, "command": self.command, **self.extra, "patches": [o.to_json() for o in self.outcomes]}
         if self.notes:
             data["notes"] = self.notes
         return data

@@ -122,19 +122,32 @@ def _editable_root(meta: Path) -> Path | None:
     return Path(unquote(url.path))
 
 
-def _checkout_version(root: Path, name: str) -> str | None:
-    """A source checkout's static ``[project] version``, when it names this distribution."""
+def checkout_names(root: Path) -> dict[str, str | None]:
+    """The distribution a source checkout or unpacked sdist is, by normalized name -> version (if static).
+
+    ``PKG-INFO`` (an unpacked sdist) has the built version; a checkout's ``pyproject.toml``
+    has one only when it is static (vLLM's comes from git tags: unknown here).
+    """
     from fp32patch.patcher.spec import tomllib
 
+    found: dict[str, str | None] = {}
+    headers = _read_headers(root / "PKG-INFO") if (root / "PKG-INFO").is_file() else None
+    if headers and headers.get("Name"):
+        found[normalize(headers["Name"])] = headers.get("Version")
     try:
         data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        return found
     project = data.get("project") or {}
-    if normalize(str(project.get("name", ""))) != normalize(name):
-        return None
     version = project.get("version")
-    return str(version) if isinstance(version, str) else None
+    if project.get("name") and normalize(str(project["name"])) not in found:
+        found[normalize(str(project["name"]))] = str(version) if isinstance(version, str) else None
+    return found
+
+
+def _checkout_version(root: Path, name: str) -> str | None:
+    """A source checkout's version (``PKG-INFO``, or a static ``[project] version``), when it names this distribution."""
+    return checkout_names(root).get(normalize(name))
 
 
 def inside(root: Path, path: Path) -> bool:

@@ -8,6 +8,7 @@ downloads a whole wheel with pip, for the tests that install it as a real import
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -144,3 +145,30 @@ def pip_install_target(project: str, version: str, where: Path) -> Path:
         check=True,
     )
     return where
+
+
+def sdist_file(project: str, version: str) -> Path:
+    """The release's sdist, downloaded once (by URL, sha256-checked: ``pip download`` would build it)."""
+    folder = cache_root() / "sdists"
+    name = f"{project}-{version}.tar.gz"
+    dest = folder / name
+    if dest.exists():
+        return dest
+    request = urllib.request.Request(f"{INDEX}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        files = json.load(r)["files"]
+    entry = next((f for f in files if f["filename"] == name), None)
+    if entry is None:
+        raise LookupError(f"no sdist {name} on {INDEX}")
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(name + ".partial")
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(entry["url"], timeout=300) as r, open(tmp, "wb") as out:
+        while chunk := r.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != entry["hashes"]["sha256"]:
+        tmp.unlink()
+        raise OSError(f"{name}: sha256 does not match the index")
+    tmp.rename(dest)
+    return dest

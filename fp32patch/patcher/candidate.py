@@ -1,0 +1,147 @@
+"""A release to check before an upgrade: a wheel, an sdist or a folder, read in place.
+
+Nothing is installed or extracted: a wheel is a zip whose directory names its members,
+so only the dist-info ``METADATA`` and the files the specs target are read; an sdist is
+streamed once, keeping only ``PKG-INFO`` and those files, in memory; a folder (an import
+root, a source checkout, an unpacked sdist) is read where it lies. Archive members that
+are links or devices are never read.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from email.parser import HeaderParser
+from pathlib import Path, PurePosixPath
+
+from fp32patch.patcher.locate import normalize
+
+_SDIST_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar")
+
+
+class CandidateError(ValueError):
+    """The candidate cannot be read as a wheel, an sdist or a folder; the message says why."""
+
+
+@dataclass
+class Candidate:
+    kind: str  # "wheel", "sdist" or "folder"
+    path: Path
+    name: str | None
+    version: str | None
+    files: dict[str, bytes] = field(default_factory=dict)  # path in the import root -> bytes, as found
+    members: dict[str, str] = field(default_factory=dict)  # path in the import root -> where it was read
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path), "kind": self.kind, "distribution": self.name, "version": self.version}
+
+
+def _headers(raw: bytes) -> dict[str, str]:
+    return dict(HeaderParser().parsestr(raw.decode("utf-8", "replace"), headersonly=True).items())
+
+
+def read_candidate(path: Path, wanted: Iterable[str]) -> Candidate:
+    """Read an archive's name, version and the files in ``wanted`` (POSIX paths in the import root)."""
+    wanted = sorted(set(wanted))
+    if not path.is_file():
+        raise CandidateError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+    name = path.name.lower()
+    try:
+        if name.endswith(".whl"):
+            return _wheel(path, wanted)
+        if name.endswith(_SDIST_SUFFIXES):
+            return _tar_sdist(path, wanted)
+        if name.endswith(".zip"):
+            return _zip_sdist(path, wanted)
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
+        kind = "wheel" if name.endswith(".whl") else "sdist"
+        raise CandidateError(f"{path}: cannot be read as a {kind}: {exc}") from None
+    raise CandidateError(f"{path}: not a wheel (*.whl), an sdist (*.tar.gz, *.zip) or a folder")
+
+
+def _wheel(path: Path, wanted: list[str]) -> Candidate:
+    with zipfile.ZipFile(path) as wheel:
+        names = set(wheel.namelist())
+        metas = sorted(n for n in names if re.fullmatch(r"[^/]+\.dist-info/METADATA", n))
+        # the wheel's own dist-info is named after the file (name-version-...); fall back to the only one
+        stem = "-".join(path.name.split("-")[:2]).lower()
+        meta = next((m for m in metas if m.split("/")[0].lower() == f"{stem}.dist-info"), metas[0] if metas else None)
+        if meta is None:
+            raise CandidateError(f"{path}: a wheel without a *.dist-info/METADATA")
+        headers = _headers(wheel.read(meta))
+        found = Candidate("wheel", path, headers.get("Name"), headers.get("Version"))
+        data_dirs = sorted({n.split("/")[0] for n in names if re.match(r"[^/]+\.data/(purelib|platlib)/", n)})
+        for rel in wanted:
+            # purelib/platlib files of a wheel may sit under <name>.data/ until installed
+            places = [rel, *(f"{d}/{lib}/{rel}" for d in data_dirs for lib in ("purelib", "platlib"))]
+            member = next((p for p in places if p in names and not _zip_link(wheel.getinfo(p))), None)
+            if member is not None:
+                found.files[rel] = wheel.read(member)
+                found.members[rel] = f"{path}!{member}"
+        return found
+
+
+def _zip_link(info: zipfile.ZipInfo) -> bool:
+    return info.is_dir() or (info.external_attr >> 16) & 0o170000 == 0o120000
+
+
+def _sdist_places(top: str, rel: str) -> list[str]:
+    # flat layout (<top>/pkg/...) or src layout (<top>/src/pkg/...)
+    return [f"{top}/{rel}", f"{top}/src/{rel}"]
+
+
+def _tar_sdist(path: Path, wanted: list[str]) -> Candidate:
+    pkg_info: bytes | None = None
+    top: str | None = None
+    hits: dict[str, tuple[str, bytes]] = {}
+    with tarfile.open(path, mode="r|*") as tar:  # one streaming pass, nothing written
+        for member in tar:
+            parts = PurePosixPath(member.name).parts
+            if not parts or not member.isfile():
+                continue
+            top = top or parts[0]
+            if parts[1:] == ("PKG-INFO",) and pkg_info is None:
+                fh = tar.extractfile(member)
+                pkg_info = fh.read() if fh else None
+                continue
+            for rel in wanted:
+                if member.name in _sdist_places(parts[0], rel) and rel not in hits:
+                    fh = tar.extractfile(member)
+                    if fh is not None:
+                        hits[rel] = (member.name, fh.read())
+            if pkg_info is not None and len(hits) == len(wanted):
+                break
+    return _sdist(path, top, pkg_info, hits)
+
+
+def _zip_sdist(path: Path, wanted: list[str]) -> Candidate:
+    with zipfile.ZipFile(path) as archive:
+        names = set(archive.namelist())
+        tops = sorted({n.split("/")[0] for n in names if "/" in n})
+        top = tops[0] if len(tops) == 1 else None
+        if top is None or f"{top}/PKG-INFO" not in names:
+            raise CandidateError(f"{path}: a zip that is neither a wheel (no *.dist-info) nor an sdist (no PKG-INFO)")
+        hits = {}
+        for rel in wanted:
+            member = next((p for p in _sdist_places(top, rel) if p in names), None)
+            if member is not None and not _zip_link(archive.getinfo(member)):
+                hits[rel] = (member, archive.read(member))
+        return _sdist(path, top, archive.read(f"{top}/PKG-INFO"), hits)
+
+
+def _sdist(path: Path, top: str | None, pkg_info: bytes | None, hits: dict[str, tuple[str, bytes]]) -> Candidate:
+    if pkg_info is None:
+        raise CandidateError(f"{path}: an sdist without <name>-<version>/PKG-INFO")
+    headers = _headers(pkg_info)
+    found = Candidate("sdist", path, headers.get("Name"), headers.get("Version"))
+    for rel, (member, data) in hits.items():
+        found.files[rel] = data
+        found.members[rel] = f"{path}!{member}"
+    return found
+
+
+def matches(candidate: Candidate, distribution: str) -> bool:
+    return candidate.name is not None and normalize(candidate.name) == normalize(distribution)

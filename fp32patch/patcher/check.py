@@ -1,0 +1,119 @@
+"""``fp32patch check --against WHEEL|SDIST|DIR``: would each patch still apply to a candidate release?
+
+Before an upgrade, each patch whose target distribution the candidate is (by the name in
+its METADATA, PKG-INFO, dist-info or pyproject) is run through ``transform`` on the
+candidate's own copy of the file, in memory: ``would-apply`` (with the variant and its
+edits), ``obsolete`` (the upstream fix is there), ``already-applied`` (a patched folder),
+or a refusal telling which anchor drifted and how. A candidate without the target file
+(moved or deleted upstream) is ``not-installed``. Exit 0 when every matching patch would
+apply or is not needed, 3 when one would not, 2 for bad input. Nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp32patch.patcher.candidate import CandidateError, matches, read_candidate
+from fp32patch.patcher.engine import EXIT_OK, EXIT_REFUSED, Outcome, Report, UsageError, select_specs
+from fp32patch.patcher.locate import LocateError, checkout_names, find_distribution, locate, normalize
+from fp32patch.patcher.spec import Spec
+from fp32patch.patcher.transform import ERRORS, transform
+
+
+@dataclass
+class _Found:
+    spec: Spec
+    data: bytes | None  # None: the candidate is the distribution but lacks the file
+    where: str | None
+    version: str | None
+
+
+def check(candidate: Path, ids: Sequence[str] = (), *, spec_dir: Path | None = None) -> Report:
+    specs = select_specs(ids, spec_dir)
+    if candidate.is_dir():
+        found, info = _folder(candidate, specs)
+    else:
+        try:
+            release = read_candidate(candidate, [s.target.path for s in specs])
+        except CandidateError as exc:
+            raise UsageError(f"--against {exc}") from None
+        info = release.to_json()
+        found = [
+            _Found(s, release.files.get(s.target.path), release.members.get(s.target.path), release.version)
+            for s in specs
+            if matches(release, s.target.distribution)
+        ]
+    if not found:
+        what = f"{info['distribution']} {info['version']}" if info.get("distribution") else "anything in it"
+        targets = ", ".join(sorted({s.target.distribution for s in specs}))
+        raise UsageError(f"--against {candidate}: no patch targets {what} (the patches target: {targets})")
+
+    outcomes = [_outcome(f, candidate) for f in found]
+    bad = any(o.status in ERRORS or o.status == "not-installed" for o in outcomes)
+    notes = ["nothing was installed, extracted or written"]
+    return Report("check", outcomes, EXIT_REFUSED if bad else EXIT_OK, notes=notes, extra={"candidate": info})
+
+
+def _outcome(f: _Found, candidate: Path) -> Outcome:
+    spec = f.spec
+    common = dict(
+        patch=spec.id,
+        root=str(candidate),
+        target=f"{spec.target.distribution}:{spec.target.path}",
+        version=f.version,
+        path=f.where,
+    )
+    if f.data is None:
+        release = f"{spec.target.distribution} {f.version or '(version unknown)'}"
+        message = (
+            f"{release} has no {spec.target.path}: the file this patch edits moved or was removed upstream; "
+            "the patch needs a new spec before this upgrade"
+        )
+        return Outcome(status="not-installed", message=message, **common)
+    result = transform(spec, f.data, path=spec.target.path, version=f.version)
+    details = {"edits": result.edits, "skipped": result.skipped}
+    if result.status == "applied":
+        message = f"{len(result.edits)} edit(s) would apply: {', '.join(result.edits)} (variant {result.variant})"
+        if result.skipped:
+            message += f"; already fixed upstream: {', '.join(result.skipped)}"
+        return Outcome(status="would-apply", variant=result.variant, message=message, details=details, **common)
+    if result.anchor:
+        details["anchor"] = result.anchor
+    return Outcome(status=result.status, variant=result.variant, message=result.message, details=details, **common)
+
+
+def _folder(folder: Path, specs: Sequence[Spec]) -> tuple[list[_Found], dict]:
+    """An import root, a source checkout or an unpacked sdist (flat or ``src/`` layout)."""
+    bases = [b for b in (folder.resolve(), folder.resolve() / "src") if b.is_dir()]
+    found: list[_Found] = []
+    for spec in specs:
+        located = None
+        for base in bases:
+            try:
+                located = locate(spec, base)
+            except LocateError as exc:
+                raise UsageError(f"--against {exc}") from None
+            if located is not None:
+                break
+        if located is not None:
+            try:
+                data = located.path.read_bytes()
+            except OSError as exc:
+                raise UsageError(f"--against {located.path}: cannot read: {exc.strerror}") from None
+            found.append(_Found(spec, data, str(located.path), located.version))
+            continue
+        # the folder is this distribution (by its metadata) but the file is not there
+        for base in bases:
+            dist = find_distribution(base, spec.target.distribution)
+            names = checkout_names(base)
+            if dist is not None or normalize(spec.target.distribution) in names:
+                version = dist.version if dist else names[normalize(spec.target.distribution)]
+                found.append(_Found(spec, None, None, version))
+                break
+    versions = {(f.spec.target.distribution, f.version) for f in found}
+    info = {"path": str(folder), "kind": "folder", "distribution": None, "version": None}
+    if len(versions) == 1:
+        info["distribution"], info["version"] = next(iter(versions))
+    return found, info
