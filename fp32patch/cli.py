@@ -46,6 +46,15 @@ SitePackages = Annotated[
         show_default=False,
     ),
 ]
+Envs = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--envs",
+        help="A folder holding Python environments (venv, virtualenv, uv, conda; e.g. Ray's runtime_resources): "
+        "every environment under it is an import root, reported one by one. Repeatable; adds to -s.",
+        show_default=False,
+    ),
+]
 PatchIds = Annotated[
     list[str] | None,
     typer.Option("--patch", "-p", help="Only this patch id (repeatable). Default: every patch.", show_default=False),
@@ -95,24 +104,47 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
         if candidate:
             release = " ".join(str(candidate[k]) for k in ("distribution", "version") if candidate.get(k))
             out.print(f"checking {release or 'a folder'} ({candidate['kind']} {candidate['path']})", soft_wrap=True)
-        table = Table(show_edge=False, pad_edge=False)
-        for column in ("patch", "status", "version", "file"):
-            table.add_column(column, overflow="fold")
-        for o in report.outcomes:
-            where = o.path or f"{o.target} (looked in {o.root})"
-            table.add_row(o.patch, _status_cell(o.status), o.version or "-", where)
         if report.outcomes:
-            out.print(table)
+            out.print(_table(report.outcomes))
+        roots = report.by_root()
+        if len(roots) > 1:  # many environments: the totals, so a long table need not be read to the end
+            totals: dict[str, int] = {}
+            for o in report.outcomes:
+                totals[o.status] = totals.get(o.status, 0) + 1
+            out.print(f"{len(roots)} import roots: " + ", ".join(f"{n} {s}" for s, n in totals.items()))
         for o in report.outcomes:
             if o.message and (o.status not in _QUIET or o.details.get("interrupted")):
+                where = f" in {o.root}" if len(roots) > 1 else ""
                 (out if o.status in _GOOD else err).print(
-                    f"[bold]{o.patch}[/] ({o.status}): {o.message}", soft_wrap=True
+                    f"[bold]{o.patch}[/] ({o.status}){where}: {o.message}", soft_wrap=True
                 )
             if show_diff and o.diff:
                 _print_diff(o.diff)
         for note in report.notes:
             err.print(note)
     raise typer.Exit(report.exit_code)
+
+
+def _table(outcomes: list[engine.Outcome]) -> Table:
+    """One row per patch and root; with several roots, grouped by root, file paths relative to it."""
+    roots = list(dict.fromkeys(o.root for o in outcomes))
+    grouped = len(roots) > 1
+    table = Table(show_edge=False, pad_edge=False)
+    # an environment found by --envs is named by its folder (its site-packages is in --json)
+    first = "environment" if grouped and all(o.env for o in outcomes) else "root"
+    for column in ([first] if grouped else []) + ["patch", "status", "version", "file"]:
+        table.add_column(column, overflow="fold")
+    for root in roots:
+        rows = [o for o in outcomes if o.root == root]
+        for i, o in enumerate(rows):
+            if o.path and grouped and o.path.startswith(root + "/"):
+                where = o.path[len(root) + 1 :]
+            else:
+                where = o.path or (o.target if grouped else f"{o.target} (looked in {o.root})")
+            cells = [o.patch, _status_cell(o.status), o.version or "-", where]
+            label = (o.env or root) if i == 0 else ""
+            table.add_row(*([label] if grouped else []), *cells, end_section=grouped and i == len(rows) - 1)
+    return table
 
 
 def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) -> None:
@@ -129,6 +161,7 @@ def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) ->
 @app.command()
 def apply(
     site_packages: SitePackages = None,
+    envs: Envs = None,
     patch: PatchIds = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; write nothing.")] = False,
     as_json: Json = False,
@@ -141,6 +174,7 @@ def apply(
         site_packages or [],
         dry_run=dry_run,
         spec_dir=specs,
+        envs=envs or [],
         as_json=as_json,
         show_diff=dry_run,
     )
@@ -148,23 +182,48 @@ def apply(
 
 @app.command()
 def verify(
-    site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None
+    site_packages: SitePackages = None,
+    envs: Envs = None,
+    patch: PatchIds = None,
+    as_json: Json = False,
+    specs: Specs = None,
 ) -> None:
     """Check that every installed target is patched and unchanged since (exit 1 if not)."""
-    _run(engine.status, patch or [], site_packages or [], spec_dir=specs, command="verify", as_json=as_json)
+    _run(
+        engine.status,
+        patch or [],
+        site_packages or [],
+        spec_dir=specs,
+        command="verify",
+        envs=envs or [],
+        as_json=as_json,
+    )
 
 
 @app.command()
 def status(
-    site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None
+    site_packages: SitePackages = None,
+    envs: Envs = None,
+    patch: PatchIds = None,
+    as_json: Json = False,
+    specs: Specs = None,
 ) -> None:
     """Show each patch's state in each import root (always exit 0 unless the input is bad)."""
-    _run(engine.status, patch or [], site_packages or [], spec_dir=specs, command="status", as_json=as_json)
+    _run(
+        engine.status,
+        patch or [],
+        site_packages or [],
+        spec_dir=specs,
+        command="status",
+        envs=envs or [],
+        as_json=as_json,
+    )
 
 
 @app.command()
 def revert(
     site_packages: SitePackages = None,
+    envs: Envs = None,
     patch: PatchIds = None,
     force: Annotated[
         bool, typer.Option("--force", help="Also revert files changed since patching (their bytes are kept).")
@@ -173,15 +232,21 @@ def revert(
     specs: Specs = None,
 ) -> None:
     """Restore the exact original bytes of patched files (sha256-checked)."""
-    _run(engine.revert, patch or [], site_packages or [], force=force, spec_dir=specs, as_json=as_json)
+    _run(engine.revert, patch or [], site_packages or [], force=force, spec_dir=specs, envs=envs or [], as_json=as_json)
 
 
 @app.command()
 def diff(
-    site_packages: SitePackages = None, patch: PatchIds = None, as_json: Json = False, specs: Specs = None
+    site_packages: SitePackages = None,
+    envs: Envs = None,
+    patch: PatchIds = None,
+    as_json: Json = False,
+    specs: Specs = None,
 ) -> None:
     """Show each patch as a unified diff: the change it would make, or the one it made."""
-    _run(engine.diff, patch or [], site_packages or [], spec_dir=specs, as_json=as_json, show_diff=True)
+    _run(
+        engine.diff, patch or [], site_packages or [], spec_dir=specs, envs=envs or [], as_json=as_json, show_diff=True
+    )
 
 
 @app.command()

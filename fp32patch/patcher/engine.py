@@ -52,6 +52,7 @@ class Outcome:
     variant: str | None = None
     diff: str | None = None
     details: dict = field(default_factory=dict)
+    env: str | None = None  # the environment (from --envs) this root belongs to
 
     def to_json(self) -> dict:
         out = {
@@ -62,6 +63,8 @@ class Outcome:
             "path": self.path,
             "root": self.root,
         }
+        if self.env:
+            out["env"] = self.env
         if self.variant:
             out["variant"] = self.variant
         if self.message:
@@ -82,8 +85,17 @@ class Report:
     def ok(self) -> bool:
         return self.exit_code == EXIT_OK
 
+    def by_root(self) -> list[dict]:
+        """Per import root, how many patches have each status (roots in the order reported)."""
+        roots: dict[str, dict] = {}
+        for o in self.outcomes:
+            row = roots.setdefault(o.root, {"root": o.root, **({"env": o.env} if o.env else {}), "statuses": {}})
+            row["statuses"][o.status] = row["statuses"].get(o.status, 0) + 1
+        return list(roots.values())
+
     def to_json(self) -> dict:
         data = {"ok": self.ok, "command": self.command, **self.extra, "patches": [o.to_json() for o in self.outcomes]}
+        data["roots"] = self.by_root()
         if self.notes:
             data["notes"] = self.notes
         return data
@@ -103,18 +115,36 @@ def select_specs(ids: Sequence[str], spec_dir: Path | None = None) -> list[Spec]
     return [known[i] for i in dict.fromkeys(ids)]
 
 
-def _roots(roots: Sequence[Path]) -> list[Path]:
+def _roots(roots: Sequence[Path], envs: Sequence[Path] = ()) -> list[tuple[Path, Path | None]]:
+    """Each import root to work on, with the environment it was found in (``--envs``), once each.
+
+    ``-s`` roots come first, as given; then the site-packages of every environment under
+    each ``--envs`` folder. Without either, the running interpreter's site-packages.
+    """
+    from fp32patch.patcher.envs import find_environments
     from fp32patch.patcher.locate import default_roots
 
-    out: list[Path] = []
-    for root in roots or default_roots():
+    pairs: list[tuple[Path, Path | None]] = [(Path(r), None) for r in roots or ([] if envs else default_roots())]
+    for folder in envs:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise UsageError(f"--envs {folder}: {'does not exist' if not folder.exists() else 'is not a folder'}")
+        found = find_environments(folder)
+        if not any(sps for _, sps in found):
+            raise UsageError(
+                f"--envs {folder}: no Python environment under it (a folder with pyvenv.cfg or conda-meta/ "
+                "and lib/python3.*/site-packages)"
+            )
+        pairs += [(sp, env) for env, sps in found for sp in sps]
+    out: dict[Path, Path | None] = {}
+    for root, env in pairs:
         try:
-            resolved = check_root(Path(root))
+            resolved = check_root(root)
         except LocateError as exc:
             raise UsageError(str(exc)) from None
-        if resolved not in out:
-            out.append(resolved)
-    return out
+        if resolved not in out or env is not None:
+            out[resolved] = env if env is not None else out.get(resolved)
+    return list(out.items())
 
 
 @dataclass
@@ -122,14 +152,15 @@ class _Target:
     spec: Spec
     searched: Path
     located: Located | None
+    env: Path | None = None
 
 
-def _targets(specs: Sequence[Spec], roots: Sequence[Path]) -> list[_Target]:
+def _targets(specs: Sequence[Spec], roots: Sequence[Path], envs: Sequence[Path] = ()) -> list[_Target]:
     out = []
-    for root in _roots(roots):
+    for root, env in _roots(roots, envs):
         for spec in specs:
             try:
-                out.append(_Target(spec, root, locate(spec, root)))
+                out.append(_Target(spec, root, locate(spec, root), env))
             except LocateError as exc:
                 raise UsageError(str(exc)) from None
     return out
@@ -148,6 +179,7 @@ def _outcome(t: _Target, status: str, **kw) -> Outcome:
         target=_label(t.spec),
         version=loc.version if loc else None,
         path=str(loc.path) if loc else None,
+        env=str(t.env) if t.env else None,
         **kw,
     )
 
@@ -259,13 +291,19 @@ def _classify_bytes(t: _Target, data: bytes, manifest: mf.Manifest) -> Outcome:
 
 
 def status(
-    ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = None, command: str = "status"
+    ids: Sequence[str],
+    roots: Sequence[Path],
+    *,
+    spec_dir: Path | None = None,
+    command: str = "status",
+    envs: Sequence[Path] = (),
 ) -> Report:
     """Each patch's state in each root. ``verify`` fails (exit 1) unless all are good."""
     specs = select_specs(ids, spec_dir)
     outcomes: list[Outcome] = []
     manifests: dict[Path, mf.Manifest] = {}
-    for t in _targets(specs, roots):
+    targets = _targets(specs, roots, envs)
+    for t in targets:
         if t.located is None:
             outcomes.append(_outcome(t, NOT_INSTALLED, message=f"{_label(t.spec)} is not in {t.searched}"))
             continue
@@ -273,13 +311,16 @@ def status(
         if root not in manifests:
             manifests[root] = _load_manifest(root)
         outcomes.append(_classify(t, _read(t.located.path), manifests[root]))
-    outcomes = _fold_not_installed(outcomes)
-    # an interrupted entry fails verify even where the bytes are patched: its RECORD row or
-    # bytecode may still lag behind until the next apply or revert settles it
+    outcomes = _fold_not_installed(outcomes, targets)
+    # An interrupted entry fails verify even where the bytes are patched: its RECORD row or
+    # bytecode may still lag behind until the next apply or revert settles it. An environment
+    # found by --envs may lack the target (a trainer env without vLLM): that is not a failure.
     bad = [
         o
         for o in outcomes
-        if o.status not in VERIFY_OK or (ids and o.status == NOT_INSTALLED) or o.details.get("interrupted")
+        if o.status not in VERIFY_OK
+        or (ids and o.status == NOT_INSTALLED and not o.env)
+        or o.details.get("interrupted")
     ]
     if all(o.status == NOT_INSTALLED for o in outcomes):
         bad = outcomes  # nothing found anywhere is a problem, not a pass
@@ -287,12 +328,18 @@ def status(
     return Report(command, outcomes, code)
 
 
-def _fold_not_installed(outcomes: list[Outcome]) -> list[Outcome]:
-    """A patch found in some root need not be listed as missing from the others."""
+def _fold_not_installed(outcomes: list[Outcome], targets: Sequence[_Target]) -> list[Outcome]:
+    """A patch found in some root need not be listed as missing from the others.
+
+    Environments found by --envs are each reported, whatever they hold: the report is per root,
+    in the order the roots were given (``-s`` first, then each environment in path order).
+    """
+    order = {str(t.searched): i for i, t in reversed(list(enumerate(targets)))}
+    outcomes = sorted(outcomes, key=lambda o: order.get(o.root, len(order)))
     found = {o.patch for o in outcomes if o.status != NOT_INSTALLED}
     kept, missing = [], {}
     for o in outcomes:
-        if o.status != NOT_INSTALLED:
+        if o.status != NOT_INSTALLED or o.env:
             kept.append(o)
         elif o.patch not in found and o.patch not in missing:
             missing[o.patch] = o
@@ -340,9 +387,16 @@ def _within(root: Path, path: Path) -> bool:
     return True
 
 
-def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, spec_dir: Path | None = None) -> Report:
+def apply(
+    ids: Sequence[str],
+    roots: Sequence[Path],
+    *,
+    dry_run: bool = False,
+    spec_dir: Path | None = None,
+    envs: Sequence[Path] = (),
+) -> Report:
     specs = select_specs(ids, spec_dir)
-    targets = _targets(specs, roots)
+    targets = _targets(specs, roots, envs)
     by_root: dict[Path, list[_Target]] = {}
     outcomes: list[Outcome] = []
     for t in targets:
@@ -351,7 +405,7 @@ def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, s
         else:
             by_root.setdefault(t.located.root, []).append(t)
     if not by_root:
-        outcomes = _fold_not_installed(outcomes)
+        outcomes = _fold_not_installed(outcomes, targets)
         return Report("apply", outcomes, EXIT_USAGE, notes=["no patch target was found in the given import roots"])
 
     planned: list[tuple[Path, list[tuple[_Target, Result, bytes]]]] = []
@@ -380,7 +434,7 @@ def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, s
                 outcomes.append(_outcome(t, status, message=result.message, variant=result.variant, diff=diff))
         code = EXIT_REFUSED if refused else EXIT_OK
         notes = ["nothing was written"] if refused else ["dry run: nothing was written"]
-        return Report("apply", _fold_not_installed(outcomes), code, notes=notes)
+        return Report("apply", _fold_not_installed(outcomes, targets), code, notes=notes)
 
     notes: list[str] = []
     for root, results in planned:
@@ -388,7 +442,7 @@ def apply(ids: Sequence[str], roots: Sequence[Path], *, dry_run: bool = False, s
         outcomes += done
         notes += settled
     code = EXIT_REFUSED if any(o.status in ERRORS for o in outcomes) else EXIT_OK
-    return Report("apply", _fold_not_installed(outcomes), code, notes=notes)
+    return Report("apply", _fold_not_installed(outcomes, targets), code, notes=notes)
 
 
 def _commit_apply(root: Path, planned: list[tuple[_Target, Result, bytes]]) -> tuple[list[Outcome], list[str]]:
@@ -445,10 +499,18 @@ def _commit_apply(root: Path, planned: list[tuple[_Target, Result, bytes]]) -> t
 # ---------------------------------------------------------------- revert
 
 
-def revert(ids: Sequence[str], roots: Sequence[Path], *, force: bool = False, spec_dir: Path | None = None) -> Report:
+def revert(
+    ids: Sequence[str],
+    roots: Sequence[Path],
+    *,
+    force: bool = False,
+    spec_dir: Path | None = None,
+    envs: Sequence[Path] = (),
+) -> Report:
     """Put back the exact original bytes of every patched file (sha256-checked)."""
     specs = select_specs(ids, spec_dir)
-    targets = [t for t in _targets(specs, roots) if t.located is not None]
+    every = _targets(specs, roots, envs)
+    targets = [t for t in every if t.located is not None]
     by_root: dict[Path, list[_Target]] = {}
     for t in targets:
         assert t.located is not None
@@ -502,7 +564,7 @@ def revert(ids: Sequence[str], roots: Sequence[Path], *, force: bool = False, sp
         notes.append(
             "nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"
         )
-    return Report("revert", outcomes, code, notes=notes)
+    return Report("revert", _fold_not_installed(outcomes, every), code, notes=notes)
 
 
 def _plan_revert(t: _Target, manifest: mf.Manifest, state: StateDir, force: bool) -> tuple[Outcome, Write | None]:
@@ -537,12 +599,15 @@ def _plan_revert(t: _Target, manifest: mf.Manifest, state: StateDir, force: bool
 # ---------------------------------------------------------------- diff
 
 
-def diff(ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = None) -> Report:
+def diff(
+    ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = None, envs: Sequence[Path] = ()
+) -> Report:
     """For each installed target: the patch's change (original -> patched) as a unified diff."""
     specs = select_specs(ids, spec_dir)
     outcomes = []
     refused = False
-    for t in _targets(specs, roots):
+    targets = _targets(specs, roots, envs)
+    for t in targets:
         if t.located is None:
             outcomes.append(_outcome(t, NOT_INSTALLED))
             continue
@@ -568,7 +633,7 @@ def diff(ids: Sequence[str], roots: Sequence[Path], *, spec_dir: Path | None = N
         else:
             refused |= result.status in ERRORS
             outcomes.append(_outcome(t, result.status, message=result.message))
-    return Report("diff", _fold_not_installed(outcomes), EXIT_REFUSED if refused else EXIT_OK)
+    return Report("diff", _fold_not_installed(outcomes, targets), EXIT_REFUSED if refused else EXIT_OK)
 
 
 def spec_table(spec_dir: Path | None = None) -> list[Spec]:
