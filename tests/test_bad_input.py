@@ -135,6 +135,12 @@ CASES: dict[str, Case] = {
         dict.fromkeys(ALL, 2),
         [f"$ROOT/{NEMOTRON} leads (through a symlinked folder) to $TMP/outside-models", "outside the import root"],
     ),
+    "target is a symlink loop": (
+        "pristine",
+        lambda r, t: ((r / NEMOTRON).unlink(), (r / NEMOTRON).symlink_to("nemotron_h.py"))[-1] or [],
+        dict.fromkeys(ALL, 2),
+        [f"$ROOT/{NEMOTRON} is a symbolic link that leads to no file (-> nemotron_h.py)", "a broken link or a loop"],
+    ),
     "truncated manifest": (
         "patched",
         lambda r, t: (_manifest(r).write_bytes(_manifest(r).read_bytes()[:150]), [])[1],
@@ -283,7 +289,17 @@ def test_read_only_root_real_mount(pristine, patched, tmp_path):
     assert tree_digest(done) == before
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to run as another user")
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _can_run_as_nobody() -> bool:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return False
+    probe = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import fp32patch"], capture_output=True, cwd="/")
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_run_as_nobody(), reason="needs root, setpriv, and this Python usable by uid 65534")
 def test_root_without_write_permission_as_another_user(pristine):
     """As uid 65534 in a root-owned 0o555 folder (os.access is honest for a non-root user)."""
     with tempfile.TemporaryDirectory() as d:
@@ -294,8 +310,7 @@ def test_root_without_write_permission_as_another_user(pristine):
             os.chmod(path, 0o555 if path.is_dir() else 0o444)
         before = tree_digest(root)
         result = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-            + [sys.executable, "-m", "fp32patch", "apply", "-s", str(root)],
+            [*AS_NOBODY, sys.executable, "-m", "fp32patch", "apply", "-s", str(root)],
             capture_output=True,
             text=True,
             timeout=120,

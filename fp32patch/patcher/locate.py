@@ -153,7 +153,7 @@ def _checkout_version(root: Path, name: str) -> str | None:
 def inside(root: Path, path: Path) -> bool:
     try:
         path.resolve().relative_to(root.resolve())
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):  # outside, or a symlink loop (RuntimeError before 3.13)
         return False
     return True
 
@@ -168,6 +168,11 @@ def locate(spec: Spec, root: Path) -> Located | None:
         target = base / spec.target.path
         if not (target.is_file() or target.is_symlink()):
             continue
+        if target.is_symlink() and not target.exists():
+            raise LocateError(
+                f"{target} is a symbolic link that leads to no file (-> {os.readlink(target)}): "
+                "a broken link or a loop; reinstall the package"
+            )
         if not inside(base, target):
             # the file itself, or a folder on the way to it, is a symlink leading elsewhere
             how = "is a symbolic link to" if target.is_symlink() else "leads (through a symlinked folder) to"

@@ -38,7 +38,7 @@ class StateDir:
     def exists(self) -> bool:
         return os.path.lexists(self.manifest_path)
 
-    def _real_dir(self, folder: Path) -> bool:
+    def real_dir(self, folder: Path) -> bool:
         """True if ``folder`` is a real folder, False if absent; an error for anything else."""
         try:
             st = os.lstat(folder)
@@ -51,12 +51,12 @@ class StateDir:
         return True
 
     def _mkdir(self, folder: Path) -> None:
-        if not self._real_dir(folder):
+        if not self.real_dir(folder):
             # never wider than the root itself (mkdir applies the umask on top)
             bits = stat.S_IMODE(self.root.stat().st_mode) & 0o755
             with contextlib.suppress(FileExistsError):  # another process made it first
                 folder.mkdir(mode=bits)
-            self._real_dir(folder)
+            self.real_dir(folder)
 
     def _file_bits(self) -> int:
         return 0o644 & ~umask() & stat.S_IMODE(self.path.stat().st_mode)
@@ -84,7 +84,7 @@ class StateDir:
 
     def load(self) -> mf.Manifest:
         try:
-            if not self._real_dir(self.path):
+            if not self.real_dir(self.path):
                 return mf.Manifest()
             raw = read_no_follow(self.manifest_path)
         except FileNotFoundError:
@@ -116,7 +116,7 @@ class StateDir:
         """Store ``data`` under its hash (once); the hash, and whether it was stored now."""
         digest = sha256(data)
         dest = self.originals / digest
-        self._real_dir(self.originals)
+        self.real_dir(self.originals)
         try:
             if sha256(read_no_follow(dest)) == digest:
                 return digest, False
@@ -132,7 +132,7 @@ class StateDir:
     def original(self, digest: str) -> bytes:
         """The kept bytes with this hash; an error if missing, a symlink, or not matching."""
         dest = self.originals / digest
-        if not (self._real_dir(self.path) and self._real_dir(self.originals)):
+        if not (self.real_dir(self.path) and self.real_dir(self.originals)):
             raise TransactionError(errno.ENOENT, f"the kept original {dest} is missing")
         try:
             data = read_no_follow(dest)

@@ -131,7 +131,10 @@ class Transaction:
     def target(self, relpath: str) -> Path:
         """The real file behind ``relpath``; an error if it (or a folder on the way) leads out of the root."""
         path = self.root / relpath
-        resolved = path.resolve()
+        try:
+            resolved = path.resolve()
+        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
+            raise TransactionError(errno.ELOOP, f"{path} is a symbolic link loop; refusing it") from None
         try:
             resolved.relative_to(self.root.resolve())
         except ValueError:
@@ -188,7 +191,7 @@ class Transaction:
         stale: list[Path] = []
         for folder in self.state.folders():
             with contextlib.suppress(TransactionError):
-                if self.state._real_dir(folder):
+                if self.state.real_dir(folder):
                     stale += stale_temps(folder)
         wanted: dict[Path, set[str]] = {}
         for rel in [*(e.path for e in manifest.entries), *(e.record or "" for e in manifest.entries), *relpaths]:
@@ -231,7 +234,7 @@ class Transaction:
             try:
                 path = self.target(entry.path)
                 data: bytes | None = path.read_bytes()
-            except (FileNotFoundError, TransactionError):
+            except OSError:  # gone, unreadable, or leading out of the root: nothing of ours to finish
                 path, data = None, None
             current = sha256(data) if data is not None else None
             if path is not None and data is not None and current in (entry.sha256_after, entry.sha256_before):
