@@ -113,7 +113,13 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
                 totals[o.status] = totals.get(o.status, 0) + 1
             out.print(f"{len(roots)} import roots: " + ", ".join(f"{n} {s}" for s, n in totals.items()))
         for o in report.outcomes:
-            if o.message and (o.status not in _QUIET or o.details.get("interrupted")):
+            # quiet statuses speak up when they are the problem (check: the file is gone upstream)
+            loud = (
+                o.status not in _QUIET
+                or o.details.get("interrupted")
+                or (o.status == "not-installed" and not report.ok)
+            )
+            if o.message and loud:
                 where = f" in {o.root}" if len(roots) > 1 else ""
                 (out if o.status in _GOOD else err).print(
                     f"[bold]{o.patch}[/] ({o.status}){where}: {o.message}", soft_wrap=True

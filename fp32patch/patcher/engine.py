@@ -485,9 +485,7 @@ def _commit_apply(root: Path, planned: list[tuple[_Target, Result, bytes]]) -> t
                 ], notes
             if writes:
                 tx.commit(writes, manifest)
-    except TransactionError as exc:
-        raise _write_error(root, exc) from None
-    except OSError as exc:
+    except OSError as exc:  # TransactionError included: the root cannot be written as planned
         raise _write_error(root, exc) from None
     for t, result in pending:
         outcomes.append(
