@@ -18,13 +18,11 @@ CLAMP_MARKER = f"# fp32patch: {PATCH_ID} [clamp-message]"
 ROUTE_MARKER = f"# fp32patch: {PATCH_ID} [route-overflow-400]"
 
 
-def _apply(root, *extra):
-    return cli("apply", "-s", str(root), "--patch", PATCH_ID, *extra)
-
-
-def _only(data):
+def _run(command: str, root) -> tuple[int, dict]:
+    """``fp32patch <command> -s root --patch <this patch>``: exit code, the patch's outcome."""
+    code, data = cli(command, "-s", str(root), "--patch", PATCH_ID)
     (outcome,) = data["patches"]
-    return outcome
+    return code, outcome
 
 
 @pytest.mark.parametrize(
@@ -36,28 +34,28 @@ def test_apply_verify_revert_in_site_packages(tmp_path, folder, name):
     original = fixture("pre_fix.py")
     target = site_packages(tmp_path, original, folder=folder, name=name)
 
-    code, data = _apply(tmp_path)
-    assert code == 0, data
-    assert _only(data)["status"] == "applied"
-    assert _only(data)["version"] == "0.7.0"
-    assert sorted(_only(data)["edits"]) == ["clamp-message", "route-overflow-400"]
+    code, out = _run("apply", tmp_path)
+    assert code == 0, out
+    assert out["status"] == "applied"
+    assert out["version"] == "0.7.0"
+    assert sorted(out["edits"]) == ["clamp-message", "route-overflow-400"]
     patched = target.read_text()
     assert CLAMP_MARKER in patched and ROUTE_MARKER in patched
     assert "maximum context length" in patched
 
-    code, data = cli("verify", "-s", str(tmp_path), "--patch", PATCH_ID)
-    assert (code, _only(data)["status"]) == (0, "applied")
+    code, out = _run("verify", tmp_path)
+    assert (code, out["status"]) == (0, "applied")
 
-    code, data = _apply(tmp_path)  # a second apply is a no-op, not an error
-    assert (code, _only(data)["status"]) == (0, "already-applied")
+    code, out = _run("apply", tmp_path)  # a second apply is a no-op, not an error
+    assert (code, out["status"]) == (0, "already-applied")
     assert target.read_text() == patched
 
-    code, data = cli("revert", "-s", str(tmp_path), "--patch", PATCH_ID)
-    assert (code, _only(data)["status"]) == (0, "reverted")
+    code, out = _run("revert", tmp_path)
+    assert (code, out["status"]) == (0, "reverted")
     assert target.read_bytes() == original
 
-    code, data = cli("verify", "-s", str(tmp_path), "--patch", PATCH_ID)
-    assert (code, _only(data)["status"]) == (1, "not-applied")
+    code, out = _run("verify", tmp_path)
+    assert (code, out["status"]) == (1, "not-applied")
 
 
 def test_apply_in_a_source_checkout(tmp_path):
@@ -65,16 +63,16 @@ def test_apply_in_a_source_checkout(tmp_path):
     original = fixture("pre_fix.py")
     target = source_checkout(tmp_path, original)
 
-    code, data = _apply(tmp_path)
-    assert code == 0, data
-    assert _only(data)["status"] == "applied"
-    assert _only(data)["path"] == str(target)
-    assert _only(data)["version"] is None
+    code, out = _run("apply", tmp_path)
+    assert code == 0, out
+    assert out["status"] == "applied"
+    assert out["path"] == str(target)
+    assert out["version"] is None
     assert ROUTE_MARKER in target.read_text()
 
-    code, data = cli("verify", "-s", str(tmp_path), "--patch", PATCH_ID)
-    assert (code, _only(data)["status"]) == (0, "applied")
-    code, _ = cli("revert", "-s", str(tmp_path), "--patch", PATCH_ID)
+    code, out = _run("verify", tmp_path)
+    assert (code, out["status"]) == (0, "applied")
+    code, _ = _run("revert", tmp_path)
     assert code == 0 and target.read_bytes() == original
 
 
@@ -94,9 +92,9 @@ def test_hand_formatted_file_gets_the_same_edits_and_nothing_else(tmp_path):
     original = fixture("reformatted.py")
     target = site_packages(tmp_path, original)
 
-    code, data = _apply(tmp_path)
-    assert code == 0, data
-    assert sorted(_only(data)["edits"]) == ["clamp-message", "route-overflow-400"]
+    code, out = _run("apply", tmp_path)
+    assert code == 0, out
+    assert sorted(out["edits"]) == ["clamp-message", "route-overflow-400"]
     removed, added = _changed_lines(original, target.read_bytes())
     # only the clamp's two-line %-formatted raise goes; every other line stays as written
     assert [line.strip() for line in removed] == [
@@ -125,23 +123,23 @@ def test_each_upstream_fix_is_obsolete(tmp_path, name, fix):
     original = fixture(name)
     target = site_packages(tmp_path, original)
 
-    code, data = _apply(tmp_path)
-    assert (code, _only(data)["status"]) == (0, "obsolete"), data
-    assert fix in _only(data)["message"]
+    code, out = _run("apply", tmp_path)
+    assert (code, out["status"]) == (0, "obsolete"), out
+    assert fix in out["message"]
     assert target.read_bytes() == original
 
-    code, data = cli("verify", "-s", str(tmp_path), "--patch", PATCH_ID)
-    assert (code, _only(data)["status"]) == (0, "obsolete")
+    code, out = _run("verify", tmp_path)
+    assert (code, out["status"]) == (0, "obsolete")
 
 
 def test_partly_fixed_file_keeps_upstream_route_and_gets_the_clamp(tmp_path):
     original = fixture("partial_route_fixed.py")
     target = site_packages(tmp_path, original)
 
-    code, data = _apply(tmp_path)
-    assert code == 0, data
-    assert _only(data)["status"] == "applied"
-    assert _only(data)["edits"] == ["clamp-message"]
+    code, out = _run("apply", tmp_path)
+    assert code == 0, out
+    assert out["status"] == "applied"
+    assert out["edits"] == ["clamp-message"]
     patched = target.read_text()
     assert CLAMP_MARKER in patched and ROUTE_MARKER not in patched
     assert patched.count("except ValueError as e:") == 1  # upstream's, not a second one of ours
@@ -153,10 +151,10 @@ def test_partly_fixed_file_keeps_upstream_route_and_gets_the_clamp(tmp_path):
     ]
 
     # read again, the skipped part still counts as done
-    code, data = _apply(tmp_path)
-    assert (code, _only(data)["status"]) == (0, "already-applied")
-    code, data = cli("verify", "-s", str(tmp_path), "--patch", PATCH_ID)
-    assert (code, _only(data)["status"]) == (0, "applied")
+    code, out = _run("apply", tmp_path)
+    assert (code, out["status"]) == (0, "already-applied")
+    code, out = _run("verify", tmp_path)
+    assert (code, out["status"]) == (0, "applied")
 
 
 def test_clamp_reworded_upstream_but_route_not_fixed_gets_both_edits(tmp_path):
@@ -167,9 +165,9 @@ def test_clamp_reworded_upstream_but_route_not_fixed_gets_both_edits(tmp_path):
     end = text.index("                raise\n", start) + len("                raise\n")
     target = site_packages(tmp_path, (text[:start] + text[end:]).encode())
 
-    code, data = _apply(tmp_path)
-    assert code == 0, data
-    assert sorted(_only(data)["edits"]) == ["clamp-message", "route-overflow-400"]
+    code, out = _run("apply", tmp_path)
+    assert code == 0, out
+    assert sorted(out["edits"]) == ["clamp-message", "route-overflow-400"]
     assert ROUTE_MARKER in target.read_text()
 
 
@@ -230,8 +228,8 @@ def test_unrecognised_shape_exits_3_and_writes_nothing(tmp_path, source, status,
     site_packages(tmp_path, source)
     before = snapshot(tmp_path)
 
-    code, data = _apply(tmp_path)
-    assert code == 3, data
-    assert _only(data)["status"] == status
-    assert named in _only(data)["message"] and TARGET in _only(data)["message"]
+    code, out = _run("apply", tmp_path)
+    assert code == 3, out
+    assert out["status"] == status
+    assert named in out["message"] and TARGET in out["message"]
     assert snapshot(tmp_path) == before
