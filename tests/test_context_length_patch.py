@@ -10,6 +10,8 @@ the exit codes.
 from __future__ import annotations
 
 import difflib
+import os
+from pathlib import Path
 
 import pytest
 from nemo_rl_harness import PATCH_ID, TARGET, cli, fixture, site_packages, snapshot, source_checkout
@@ -233,3 +235,20 @@ def test_unrecognised_shape_exits_3_and_writes_nothing(tmp_path, source, status,
     assert out["status"] == status
     assert named in out["message"] and TARGET in out["message"]
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FP32PATCH_NEMO_RL_CHECKOUT"),
+    reason="set FP32PATCH_NEMO_RL_CHECKOUT to a NeMo-RL checkout to try the spec on its file",
+)
+def test_a_real_nemo_rl_checkout(tmp_path):
+    # the real file cannot live in this repository; a copy of it is patched, never the checkout
+    source = (Path(os.environ["FP32PATCH_NEMO_RL_CHECKOUT"]) / TARGET).read_bytes()
+    target = source_checkout(tmp_path, source)
+    code, out = _run("apply", tmp_path)
+    assert code == 0, out
+    assert out["status"] in ("applied", "obsolete")
+    code, verified = _run("verify", tmp_path)
+    assert (code, verified["status"]) == (0, out["status"])
+    code, _ = _run("revert", tmp_path)
+    assert code == 0 and target.read_bytes() == source
