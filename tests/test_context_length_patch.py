@@ -142,6 +142,7 @@ def test_partly_fixed_file_keeps_upstream_route_and_gets_the_clamp(tmp_path):
     assert code == 0, out
     assert out["status"] == "applied"
     assert out["edits"] == ["clamp-message"]
+    assert out["skipped"] == ["route-overflow-400"]  # fixed upstream, and the user is told
     patched = target.read_text()
     assert CLAMP_MARKER in patched and ROUTE_MARKER not in patched
     assert patched.count("except ValueError as e:") == 1  # upstream's, not a second one of ours
