@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
@@ -39,7 +40,7 @@ from fp32patch.runtime.context_length import (
     is_context_length_overflow,
 )
 
-SPEC_FILE = Path(__file__).parent.parent / "fp32patch" / "patches" / f"{PATCH_ID}.toml"
+SPEC_FILE = resources.files("fp32patch.patches") / f"{PATCH_ID}.toml"
 MAX_MODEL_LEN = FakeEngine().max_model_len
 
 
