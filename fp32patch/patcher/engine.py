@@ -356,9 +356,9 @@ def _commit_apply(root: Path, group: list[_Target]) -> list[Outcome]:
     except PermissionError as exc:
         raise UsageError(f"cannot write in {root}: {exc.strerror} ({exc.filename}); nothing was changed") from None
     for t, result in pending:
-        outcomes.append(
-            _outcome(t, "applied", message=result.message, variant=result.variant, details={"edits": result.edits})
-        )
+        # edits skipped because upstream already fixed their part, so a partial fix shows
+        details = {"edits": result.edits, **({"skipped": result.skipped} if result.skipped else {})}
+        outcomes.append(_outcome(t, "applied", message=result.message, variant=result.variant, details=details))
     return outcomes
 
 
