@@ -55,9 +55,7 @@ def renderer_overflow_message(max_model_len: int, prompt_tokens: int) -> str:
 
 
 def serving_overflow_message(max_model_len: int, prompt_tokens: int) -> str:
-    return (
-        f"Input length ({prompt_tokens}) exceeds model's maximum context length ({max_model_len})."
-    )
+    return f"Input length ({prompt_tokens}) exceeds model's maximum context length ({max_model_len})."
 
 
 # ---------------------------------------------------------------- vLLM doubles
@@ -144,14 +142,8 @@ def vllm_doubles(validation_error_base: type[Exception] = Exception) -> dict[str
             _, prompts = await renderer.preprocess_chat(request, request.messages)
             if self.engine_client.serving_error is not None:
                 raise self.engine_client.serving_error
-            budget = (
-                request.max_completion_tokens
-                if request.max_completion_tokens is not None
-                else request.max_tokens
-            )
-            return ChatCompletionResponse(
-                prompt_tokens=len(prompts[0]["prompt_token_ids"]), max_tokens=budget
-            )
+            budget = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+            return ChatCompletionResponse(prompt_tokens=len(prompts[0]["prompt_token_ids"]), max_tokens=budget)
 
     prefix = "vllm.entrypoints.openai"
     leaves = {
@@ -164,12 +156,8 @@ def vllm_doubles(validation_error_base: type[Exception] = Exception) -> dict[str
         f"{prefix}.chat_completion.serving": _module(
             f"{prefix}.chat_completion.serving", OpenAIServingChat=OpenAIServingChat
         ),
-        f"{prefix}.engine.protocol": _module(
-            f"{prefix}.engine.protocol", ErrorResponse=ErrorResponse
-        ),
-        "vllm.renderers.online_renderer": _module(
-            "vllm.renderers.online_renderer", OnlineRenderer=OnlineRenderer
-        ),
+        f"{prefix}.engine.protocol": _module(f"{prefix}.engine.protocol", ErrorResponse=ErrorResponse),
+        "vllm.renderers.online_renderer": _module("vllm.renderers.online_renderer", OnlineRenderer=OnlineRenderer),
     }
     modules = dict(leaves)
     for name in leaves:
@@ -198,9 +186,7 @@ def chat_app(module: ModuleType, engine: FakeEngine):
     from fastapi import FastAPI
 
     worker_classes = [
-        v
-        for v in vars(module).values()
-        if isinstance(v, type) and hasattr(v, "_setup_vllm_openai_api_server")
+        v for v in vars(module).values() if isinstance(v, type) and hasattr(v, "_setup_vllm_openai_api_server")
     ]
     assert len(worker_classes) == 1, worker_classes
     worker = worker_classes[0](engine)
@@ -251,11 +237,7 @@ def source_checkout(root: Path, source: bytes) -> Path:
 
 def snapshot(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` with its bytes: equal snapshots mean nothing was written."""
-    return {
-        p.relative_to(root).as_posix(): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def fixture(name: str) -> bytes:
@@ -272,9 +254,7 @@ def cli(*args: str) -> tuple[int, dict[str, Any]]:
     try:
         data = json.loads(result.stdout)
     except ValueError:
-        raise AssertionError(
-            f"fp32patch {' '.join(args)} printed no JSON:\n{result.output}"
-        ) from result.exception
+        raise AssertionError(f"fp32patch {' '.join(args)} printed no JSON:\n{result.output}") from result.exception
     return result.exit_code, data
 
 

@@ -19,7 +19,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from nemo_rl_harness import (
+
+from fp32patch.runtime.context_length import (
+    CONTEXT_LENGTH_MARKER,
+    context_length_message,
+    is_context_length_overflow,
+)
+from tests.nemo_rl_harness import (
     NEMO_GYM_LENGTH_RULE,
     PATCH_ID,
     FakeEngine,
@@ -32,12 +38,6 @@ from nemo_rl_harness import (
     load_module,
     serving_overflow_message,
     site_packages,
-)
-
-from fp32patch.runtime.context_length import (
-    CONTEXT_LENGTH_MARKER,
-    context_length_message,
-    is_context_length_overflow,
 )
 
 SPEC_FILE = resources.files("fp32patch.patches") / f"{PATCH_ID}.toml"
@@ -88,9 +88,7 @@ def _client(app):
 
 def ask(module: ModuleType, case: Case) -> tuple[int, bytes]:
     engine = FakeEngine(serving_error=case.serving_error() if case.serving_error else None)
-    response = _client(chat_app(module, engine)).post(
-        "/v1/chat/completions", json=chat_body(case.prompt_words)
-    )
+    response = _client(chat_app(module, engine)).post("/v1/chat/completions", json=chat_body(case.prompt_words))
     return response.status_code, response.content
 
 
@@ -104,10 +102,7 @@ def violation(module: ModuleType, case: Case, rule: LengthRule) -> str | None:
         if not clean_end:
             return f"{case.id}: NeMo-Gym would retry, not end with length: {status} {body!r}"
         # the body satisfies the rule through our marker, not by luck of other wording
-        if (
-            CONTEXT_LENGTH_MARKER not in body.decode()
-            or CONTEXT_LENGTH_MARKER not in rule.substrings
-        ):
+        if CONTEXT_LENGTH_MARKER not in body.decode() or CONTEXT_LENGTH_MARKER not in rule.substrings:
             return f"{case.id}: the answer does not carry the marker NeMo-Gym looks for: {body!r}"
         return None
     if status != 500 or clean_end:
@@ -144,17 +139,13 @@ def test_patched_route_honours_the_contract(tmp_path, doubles, source, case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_partly_fixed_file_honours_it_once_patched(tmp_path, doubles, case):
     # upstream's route handler stays; our clamp message is what it must now recognise
-    assert (
-        violation(patched(tmp_path, "partial_route_fixed.py"), case, NEMO_GYM_LENGTH_RULE) is None
-    )
+    assert violation(patched(tmp_path, "partial_route_fixed.py"), case, NEMO_GYM_LENGTH_RULE) is None
 
 
 # The first upstream fix answers the clamp's overflow but not a ValueError from vLLM's own
 # serving layer (get_max_tokens), which still escapes as a 500. The issue counts that fix
 # as obsolete all the same; strict, so the day it changes is noticed.
-_FIX1_GAP = pytest.mark.xfail(
-    strict=True, reason="upstream fix 1 leaves vLLM's serving-layer overflow a 500"
-)
+_FIX1_GAP = pytest.mark.xfail(strict=True, reason="upstream fix 1 leaves vLLM's serving-layer overflow a 500")
 
 
 @pytest.mark.parametrize(
@@ -201,9 +192,7 @@ def test_patched_clamp_says_the_runtime_message(tmp_path, monkeypatch):
         "",
     ],
 )
-def test_route_answers_400_exactly_when_the_runtime_predicate_says_overflow(
-    tmp_path, monkeypatch, message
-):
+def test_route_answers_400_exactly_when_the_runtime_predicate_says_overflow(tmp_path, monkeypatch, message):
     # the patched file carries its own copy of the predicate: it must agree with ours
     install_doubles(monkeypatch)
     case = Case("table", 3, lambda: ValueError(message), None)
@@ -241,9 +230,7 @@ MUTATIONS = {
         NEMO_GYM_LENGTH_RULE,
     ),
     "route-checks-the-bare-marker": (
-        _spec_edit(
-            'if "maximum context length" not in str(e):', 'if "context length" not in str(e):'
-        ),
+        _spec_edit('if "maximum context length" not in str(e):', 'if "context length" not in str(e):'),
         NEMO_GYM_LENGTH_RULE,
     ),
     "gym-looks-for-context-window": (

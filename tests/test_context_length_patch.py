@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
-from nemo_rl_harness import PATCH_ID, TARGET, cli, fixture, site_packages, snapshot, source_checkout
+
+from tests.nemo_rl_harness import PATCH_ID, TARGET, cli, fixture, site_packages, snapshot, source_checkout
 
 CLAMP_MARKER = f"# fp32patch: {PATCH_ID} [clamp-message]"
 ROUTE_MARKER = f"# fp32patch: {PATCH_ID} [route-overflow-400]"
@@ -80,9 +81,7 @@ def test_apply_in_a_source_checkout(tmp_path):
 
 def _changed_lines(before: bytes, after: bytes) -> tuple[list[str], list[str]]:
     removed, added = [], []
-    for line in difflib.unified_diff(
-        before.decode().splitlines(), after.decode().splitlines(), lineterm="", n=0
-    ):
+    for line in difflib.unified_diff(before.decode().splitlines(), after.decode().splitlines(), lineterm="", n=0):
         if line.startswith("-") and not line.startswith("---"):
             removed.append(line[1:])
         elif line.startswith("+") and not line.startswith("+++"):
@@ -106,12 +105,8 @@ def test_hand_formatted_file_gets_the_same_edits_and_nothing_else(tmp_path):
     assert CLAMP_MARKER in "\n".join(added) and ROUTE_MARKER in "\n".join(added)
     # the handler lands in the route's try, after the single-line `try:` and its handler
     patched = target.read_text()
-    assert patched.index("except (VLLMValidationError) as err:") < patched.index(
-        "except ValueError as e:"
-    )
-    assert patched.index("except ValueError as e:") < patched.index(
-        "if isinstance(generator, ErrorResponse)"
-    )
+    assert patched.index("except (VLLMValidationError) as err:") < patched.index("except ValueError as e:")
+    assert patched.index("except ValueError as e:") < patched.index("if isinstance(generator, ErrorResponse)")
 
 
 @pytest.mark.parametrize(

@@ -7,16 +7,16 @@ import subprocess
 import sys
 
 import pytest
-from nemo_rl_harness import (
-    NEMO_GYM_LENGTH_RULE,
-    renderer_overflow_message,
-    serving_overflow_message,
-)
 
 from fp32patch.runtime.context_length import (
     CONTEXT_LENGTH_MARKER,
     context_length_message,
     is_context_length_overflow,
+)
+from tests.nemo_rl_harness import (
+    NEMO_GYM_LENGTH_RULE,
+    renderer_overflow_message,
+    serving_overflow_message,
 )
 
 

@@ -55,12 +55,8 @@ def test_patched_file_reads_as_already_applied(source, edits, skipped):
 
 def test_a_lost_marker_is_still_partially_applied():
     # the guard is upstream's, but the log edit's marker is gone: not a finished patch
-    first = transform(
-        SPEC, b"def handle(x):\n    check(x)\n    return x\n", path="demo.py", version=None
-    )
+    first = transform(SPEC, b"def handle(x):\n    check(x)\n    return x\n", path="demo.py", version=None)
     assert first.new is not None
     marker_line = "# fp32patch: demo [log]"
     text = first.new.decode().replace(marker_line, "# fp32patch: demo [gone]")
-    assert (
-        transform(SPEC, text.encode(), path="demo.py", version=None).status == "partially-applied"
-    )
+    assert transform(SPEC, text.encode(), path="demo.py", version=None).status == "partially-applied"
