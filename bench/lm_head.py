@@ -46,7 +46,7 @@ SHAPES = [  # (tokens, hidden, vocab)
 ]
 QUICK = [(2048, 1024, 8192)]
 INFER_WAYS = ["bf16", "bf16+float", "fp32 copy", "tf32 copy", "fp32out"]
-TRAIN_WAYS = ["bf16", "fp32", "tf32", "fp32out", "fp32out-bf16grad"]
+TRAIN_WAYS = ["bf16", "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"]
 
 
 # ---------------------------------------------------------------- vLLM-shaped stand-ins

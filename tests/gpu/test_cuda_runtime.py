@@ -47,27 +47,30 @@ def test_fp32out_runs_the_out_dtype_kernel_without_a_weight_copy():
 
 def test_copy_way_under_graph_capture_allocates_no_copy_and_replays_refits(monkeypatch):
     monkeypatch.setenv(vllm_lm_head.ENV, "copy")
-    hidden, weight = _inputs(1)
+    hidden, weight = _inputs(1, v=131072)  # a 512 MiB fp32 copy: impossible to miss
     model = Model(weight.clone())
     static = hidden.clone()
 
-    eager = vllm_lm_head.compute_logits(model, static)  # builds the copy, outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on the capture stream, as vLLM does
+        eager = vllm_lm_head.compute_logits(model, static)  # builds the copy, outside capture
+    torch.cuda.current_stream().wait_stream(stream)
     copy = model.lm_head._fp32patch_state.copy
     assert copy.builds == 1
     copy_ptr = copy.weight.data_ptr()
 
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = vllm_lm_head.compute_logits(model, static)
     torch.cuda.synchronize()
     during = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
-    # only the logits themselves were allocated inside the capture, not a weight copy
-    assert during < weight.numel() * 4, during
-    assert during <= out.numel() * 4 + (1 << 20)
+    # inside the capture: the logits and the upcast hidden states, no weight copy
+    expected = out.numel() * 4 + static.numel() * 4
+    assert during <= expected + (1 << 20), (during, expected)
+    assert during < copy.weight.numel() * 4 // 4
     assert copy.builds == 1
 
     graph.replay()
@@ -117,21 +120,23 @@ def test_vllm_ways_on_the_gpu(way):
     assert vllm_lm_head.describe(model)[0]["way"] == expected
 
 
-def test_megatron_fp32out_backward_beats_tf32_on_tensor_cores():
-    """The precision claim of fp32out's hi/lo backward, on real TF32 hardware."""
+def test_megatron_backward_precision_against_tf32_tensor_cores():
+    """The precision claims of the fp32out backwards, against real TF32 hardware."""
     hidden, weight = _inputs(6, t=2048, h=1024, v=8192)
     gen = torch.Generator(device="cuda").manual_seed(7)
     grad = torch.softmax(torch.randn(2048, 8192, device="cuda", generator=gen) * 4, dim=-1) / 2048
     dw64 = grad.double().t() @ hidden.double()
     errs = {}
-    for mode in ("fp32", "tf32", "fp32out", "fp32out-bf16grad"):
+    for mode in ("fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"):
         x = hidden.clone().requires_grad_(True)
         w = weight.clone().requires_grad_(True)
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
         logits = lm_head_linear(x, w, None, mode, fuse_wgrad=True)
-        assert logits.dtype == torch.float32 and _rel(logits.detach(), hidden, weight) < 2e-6
+        assert logits.dtype == torch.float32 and _rel(logits.detach(), hidden, weight) < 1e-5
         logits.backward(grad)
         errs[mode] = ((w.main_grad.double() - dw64).norm() / dw64.norm()).item()
-    assert errs["fp32out"] < errs["tf32"] / 8, errs
-    assert errs["tf32"] < errs["fp32out-bf16grad"], errs
+    # fp32out rounds grad_output as TF32 does: the same error, up to accumulation order
+    assert errs["fp32out"] <= errs["tf32"] * 1.02, errs
+    assert errs["fp32out-hilo"] < errs["tf32"] / 8, errs
+    assert errs["tf32"] * 4 < errs["fp32out-bf16grad"], errs
     assert errs["fp32"] < 1e-6, errs
