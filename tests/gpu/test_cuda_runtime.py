@@ -70,7 +70,7 @@ def test_copy_way_under_graph_capture_allocates_no_copy_and_replays_refits(monke
     # inside the capture: the logits and the upcast hidden states, no weight copy
     expected = out.numel() * 4 + static.numel() * 4
     assert during <= expected + (1 << 20), (during, expected)
-    assert during < copy.weight.numel() * 4 // 4
+    assert during < copy.weight.numel() * 4 // 2  # the copy (512 MiB) was not made here
     assert copy.builds == 1
 
     graph.replay()

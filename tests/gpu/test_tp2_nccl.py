@@ -122,6 +122,8 @@ def test_tp2_matches_one_gpu(mode, sequence_parallel):
         assert torch.equal(results[0]["logits"], results[1]["logits"])
         got_dx = results[0]["dx"]
     torch.testing.assert_close(logits, ref, **tol)
-    torch.testing.assert_close(got_dx, dx, rtol=0, atol=2e-3 * dx.abs().max().item())
+    # Megatron all-reduces (or reduce-scatters) the input gradient in the input's dtype:
+    # each rank's part is rounded to bf16 before the sum, a rounding one GPU does not do
+    torch.testing.assert_close(got_dx, dx, rtol=2.0**-7, atol=2.0**-8 * dx.abs().max().item())
     got_dw = torch.cat([results[r]["dw"] for r in (0, 1)], dim=0)
     torch.testing.assert_close(got_dw, dw, rtol=0, atol=2e-2 * dw.abs().max().item())
