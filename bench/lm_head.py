@@ -46,7 +46,9 @@ SHAPES = [  # (tokens, hidden, vocab)
 ]
 QUICK = [(2048, 1024, 8192)]
 INFER_WAYS = ["bf16", "bf16+float", "fp32 copy", "tf32 copy", "fp32out"]
-TRAIN_WAYS = ["bf16", "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"]
+# "bf16" is the GEMM alone; "bf16+casts" is the stock head as a trainer runs it: the loss
+# upcasts the bf16 logits to fp32 and the gradient comes back cast to bf16
+TRAIN_WAYS = ["bf16", "bf16+casts", "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"]
 
 
 # ---------------------------------------------------------------- vLLM-shaped stand-ins
@@ -236,6 +238,9 @@ def train_step(way: str, x: torch.Tensor, w: torch.Tensor, grad32: torch.Tensor,
     if way == "bf16":  # Megatron's stock output layer: a bf16 GEMM, bf16 logits and gradient
         logits = torch.matmul(x, w.t())
         logits.backward(grad16)
+    elif way == "bf16+casts":
+        logits = torch.matmul(x, w.t()).float()
+        logits.backward(grad32)
     else:
         logits = lm_head_linear(x, w, None, way)
         logits.backward(grad32)
@@ -265,7 +270,7 @@ def bench_training(shape, warmup, iters) -> dict:
         # errors as a trainer with gradient-accumulation fusion sees them: the input
         # gradient in bf16, the weight gradient accumulated in fp32 (main_grad)
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        if way == "bf16":  # Megatron's fused wgrad: bf16 operands, fp32 accumulation
+        if way in ("bf16", "bf16+casts"):  # Megatron's fused wgrad: bf16 operands, fp32 accumulation
             torch.matmul(x, w.t()).backward(grad16, inputs=[x])
             w.main_grad += fp32out.mm(grad16.t().contiguous(), x.detach())
         else:
