@@ -78,7 +78,7 @@ def test_copy_way_under_graph_capture_allocates_no_copy_and_replays_refits(monke
     assert torch.equal(out, eager)
 
     # a refit that bypasses load_weights, then sync(): rebuilt in place, the graph sees it
-    _, new = _inputs(2)
+    _, new = _inputs(2, v=131072)
     model.lm_head.weight.data.copy_(new)
     assert vllm_lm_head.sync(model) == 1
     assert copy.weight.data_ptr() == copy_ptr and copy.builds == 2
@@ -87,7 +87,7 @@ def test_copy_way_under_graph_capture_allocates_no_copy_and_replays_refits(monke
     assert _rel(out, static, new) < 2e-6
 
     # load_weights' door (mark_dirty) rebuilds at the next eager call, in place as well
-    _, newer = _inputs(3)
+    _, newer = _inputs(3, v=131072)
     model.lm_head.weight.data.copy_(newer)
     vllm_lm_head.mark_dirty(model)
     assert _rel(vllm_lm_head.compute_logits(model, static), static, newer) < 2e-6
