@@ -39,10 +39,10 @@ def forward() -> None:
     for t, h, v in [(16384, 4096, 32768), (16384, 4096, 131072), (4096, 4096, 32768), (256, 4096, 131072)]:
         x = torch.randn(t, h, device="cuda").bfloat16()
         wt = torch.randn(v, h, device="cuda").bfloat16().t()
-        base = ms(lambda: torch.mm(x, wt))
+        base = ms(lambda x=x, wt=wt: torch.mm(x, wt))
         rows = {
-            "out_dtype=fp32": ms(lambda: torch.mm(x, wt, out_dtype=torch.float32)),
-            "bf16 + .float()": ms(lambda: torch.mm(x, wt).float()),
+            "out_dtype=fp32": ms(lambda x=x, wt=wt: torch.mm(x, wt, out_dtype=torch.float32)),
+            "bf16 + .float()": ms(lambda x=x, wt=wt: torch.mm(x, wt).float()),
         }
         print(
             f"forward T={t} H={h} V={v}: bf16 {base:.2f} ms; "
