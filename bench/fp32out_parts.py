@@ -9,7 +9,6 @@ the scale-and-convert passes and the rescaling that fp32out.fp16_scaled_mm is ma
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -17,22 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lm_head import time_ms  # noqa: E402
 from fp32patch.runtime import fp32out  # noqa: E402
 
 
-def ms(fn, iters: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def ms(fn) -> float:
+    return time_ms(fn, warmup=2, iters=10)
 
 
 def forward() -> None:

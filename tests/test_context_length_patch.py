@@ -1,8 +1,8 @@
 """The nemo-rl-context-length-400 spec through the CLI, on import roots built in tmp_path.
 
-Every file under tests/fixtures/nemo_rl is ours, written in the shapes of NeMo-RL's
-vllm_worker_async.py: before the fix, after each of the two upstream fixes, partly fixed,
-and formatted by hand. What the route then does under FastAPI is
+Every fixture under tests/fixtures/nemo_rl is ours, written in the shapes of NeMo-RL's
+vllm_worker_async.py: before the fix, formatted by hand, and (as edits to the pre-fix file,
+upstream_fixes.py) after each of the two upstream fixes and partly fixed. What the route then does under FastAPI is
 test_context_length_contract.py's business; here: what lands on disk, the statuses and
 the exit codes.
 """
