@@ -39,7 +39,7 @@ demo: install
 	PY=$(VPY) bash tools/demo.sh
 
 bench: install
-	$(VPY) bench/lm_head.py
+	$(VPY) bench/lm_head.py --out bench/out/results.json --plot bench/out/plot.png
 
 lint: install
 	$(VPY) -m ruff check $(LINT_PATHS)

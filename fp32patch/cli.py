@@ -9,6 +9,7 @@ found a problem, 2 bad usage or input (nothing written), 3 a patch cannot be app
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -96,7 +97,7 @@ def _print_diff(text: str) -> None:
         out.file.flush()
 
 
-def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) -> None:
+def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False, envs: list[Path] | None = None) -> None:
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -104,8 +105,11 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
         if candidate:
             release = " ".join(str(candidate[k]) for k in ("distribution", "version") if candidate.get(k))
             out.print(f"checking {release or 'a folder'} ({candidate['kind']} {candidate['path']})", soft_wrap=True)
+        bases = [Path(e).absolute() for e in envs or []]
+        if bases:
+            out.print("environments under " + ", ".join(map(str, bases)), soft_wrap=True)
         if report.outcomes:
-            out.print(_table(report.outcomes))
+            out.print(_table(report.outcomes, bases))
         roots = report.by_root()
         if len(roots) > 1:  # many environments: the totals, so a long table need not be read to the end
             totals: dict[str, int] = {}
@@ -131,13 +135,23 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False) ->
     raise typer.Exit(report.exit_code)
 
 
-def _table(outcomes: list[engine.Outcome]) -> Table:
+def _label(o: engine.Outcome, bases: list[Path]) -> str:
+    """How a root is named in a grouped table: an environment relative to its --envs folder."""
+    if o.status == "not-installed" and os.pathsep in o.root:
+        return f"(none of {o.root.count(os.pathsep) + 1} roots)"
+    for base in bases:
+        if o.env and Path(o.env).is_relative_to(base):
+            return Path(o.env).relative_to(base).as_posix() or "."
+    return o.env or o.root
+
+
+def _table(outcomes: list[engine.Outcome], bases: list[Path]) -> Table:
     """One row per patch and root; with several roots, grouped by root, file paths relative to it."""
     roots = list(dict.fromkeys(o.root for o in outcomes))
     grouped = len(roots) > 1
     table = Table(show_edge=False, pad_edge=False)
     # an environment found by --envs is named by its folder (its site-packages is in --json)
-    first = "environment" if grouped and all(o.env for o in outcomes) else "root"
+    first = "environment" if grouped and all(o.env or os.pathsep in o.root for o in outcomes) else "root"
     for column in ([first] if grouped else []) + ["patch", "status", "version", "file"]:
         table.add_column(column, overflow="fold")
     for root in roots:
@@ -148,7 +162,7 @@ def _table(outcomes: list[engine.Outcome]) -> Table:
             else:
                 where = o.path or (o.target if grouped else f"{o.target} (looked in {o.root})")
             cells = [o.patch, _status_cell(o.status), o.version or "-", where]
-            label = (o.env or root) if i == 0 else ""
+            label = _label(o, bases) if i == 0 else ""
             table.add_row(*([label] if grouped else []), *cells, end_section=grouped and i == len(rows) - 1)
     return table
 
@@ -161,7 +175,7 @@ def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) ->
             print(json.dumps({"ok": False, "error": str(exc), "patches": []}, indent=2))
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(engine.EXIT_USAGE) from None
-    _render(report, as_json=as_json, show_diff=show_diff)
+    _render(report, as_json=as_json, show_diff=show_diff, envs=kwargs.get("envs") or [])
 
 
 @app.command()

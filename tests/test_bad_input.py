@@ -45,6 +45,11 @@ def patched(pristine, tmp_path_factory) -> Path:
     return root
 
 
+def _ours(out: dict) -> dict:
+    """The nemotron patch's entry (a vLLM root lacks the other patches' targets)."""
+    return next(p for p in out["patches"] if p["id"] == "nemotron-h-fp32-lm-head")
+
+
 def _manifest(root: Path) -> Path:
     return root / ".fp32patch" / "manifest.json"
 
@@ -97,7 +102,7 @@ CASES: dict[str, Case] = {
         "pristine",
         lambda r, t: ["--patch", "no-such-patch"],
         dict.fromkeys(ALL, 2),
-        ["unknown patch id 'no-such-patch'", "known: nemotron-h-fp32-lm-head"],
+        ["unknown patch id 'no-such-patch'; known: ", "nemotron-h-fp32-lm-head"],
     ),
     "nonexistent root": (
         "pristine",
@@ -284,7 +289,7 @@ def test_read_only_root_real_mount(pristine, patched, tmp_path):
     assert result.returncode == 2 and "read-only file system" in result.stderr
     # an image that is already patched and mounted read-only re-applies and verifies cleanly
     result = _fp32patch_read_only(done, "apply", "-s", str(done), "--json")
-    assert result.returncode == 0 and json.loads(result.stdout)["patches"][0]["status"] == "already-applied"
+    assert result.returncode == 0 and _ours(json.loads(result.stdout))["status"] == "already-applied"
     assert _fp32patch_read_only(done, "verify", "-s", str(done)).returncode == 0
     assert tree_digest(done) == before
 
@@ -440,9 +445,9 @@ def test_unusual_valid_target_keeps_its_form(name, pristine, tmp_path, cli):
     for marker in ("[runtime-gate]", "[route-compute-logits]", "[refit-notify]"):
         assert patched.count(marker.encode()) == 1
     code, out = cli.json("verify", "-s", root)
-    assert code == 0 and out["patches"][0]["status"] == "applied"
+    assert code == 0 and _ours(out)["status"] == "applied"
     code, out = cli.json("apply", "-s", root)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
+    assert code == 0 and _ours(out)["status"] == "already-applied"
     assert cli("revert", "-s", root).exit_code == 0
     assert target.read_bytes() == original
 

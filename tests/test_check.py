@@ -258,7 +258,7 @@ BAD = {
     ),
     "another distribution": (
         lambda d: _wheel(d, "2.0", {"torch-2.0.dist-info/METADATA": b"Name: torch\nVersion: 2.0\n"}),
-        "no patch targets torch 2.0 (the patches target: vllm)",
+        "no patch targets torch 2.0 (the patches target: ",
     ),
     "a folder that is nothing": (lambda d: d, "no patch targets anything in it"),
     "tar without PKG-INFO": (

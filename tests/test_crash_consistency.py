@@ -28,6 +28,7 @@ from tests.support.pypi import import_root_from_members
 pytestmark = pytest.mark.network
 
 RECORD = "vllm-0.33.0.dist-info/RECORD"
+NEMOTRON_ID = "nemotron-h-fp32-lm-head"
 MAX_STEPS = 60  # far more than any command takes; a loop that never ends is a failure
 KILLED = -9
 
@@ -113,7 +114,7 @@ def _assert_settled(root: Path, forms: Forms, expect: str) -> None:
 def _verify_tells(cli, root: Path, forms: Forms) -> str:
     which = forms.which(root)
     code, out = cli.json("verify", "-s", root)
-    [entry] = out["patches"]
+    [entry] = [p for p in out["patches"] if p["id"] == NEMOTRON_ID]
     assert entry["status"] == ("applied" if which == "patched" else "not-applied"), entry
     assert code == 1 or which == "patched"  # a killed apply never verifies as fine while original
     return which
@@ -186,7 +187,8 @@ def test_forced_revert_killed_at_every_step_loses_no_bytes(patched, forms, tmp_p
         kept = [p.read_bytes() for p in displaced.iterdir()] if displaced.is_dir() else []
         assert data == edited or edited in kept, "the hand-edited bytes were lost"
         code, out = cli.json("verify", "-s", root)
-        assert out["patches"][0]["status"] == ("drifted" if data == edited else "not-applied")
+        [entry] = [p for p in out["patches"] if p["id"] == NEMOTRON_ID]
+        assert entry["status"] == ("drifted" if data == edited else "not-applied")
         result = cli("revert", "-s", root, "--force")
         assert result.exit_code == 0, result.stdout + result.stderr
         _assert_settled(root, forms, "original")

@@ -11,7 +11,11 @@ from fp32patch.runtime.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import MEGATRON_MODES
 
 # The modes whose backward must be at least as precise as TF32.
-PRECISE_MODES = ("fp32", "tf32", "fp32out")
+PRECISE_MODES = ("fp32", "tf32", "fp32out", "fp32out-hilo")
+# What each mode's backward adds to fp32 accumulation, relative to sum |a*b|: half an
+# ulp of the precision grad_output is carried in (11 bits for fp32out, as TF32; ~16 bits
+# for the hi/lo split; nothing for fp32 and for tf32, which does not exist on the CPU).
+GRAD_ROUNDING = {"fp32": 0.0, "tf32": 0.0, "fp32out": 2.0**-11, "fp32out-hilo": 2.0**-16}
 N, H, V = 96, 64, 512  # tokens, hidden, vocabulary
 
 
@@ -84,10 +88,25 @@ def test_fp32out_backward_is_at_least_as_precise_as_tf32(kind: str):
     _, _, weight_grad = run("fp32out", x, w, g, fuse=False)
 
     assert dx.dtype == torch.bfloat16 and main_grad.dtype == torch.float32
-    assert relative_error(dx, ref_dx) <= relative_error(tf32_dx, ref_dx)
-    assert relative_error(main_grad, ref_dw) <= relative_error(tf32_dw, ref_dw)
-    assert relative_error(weight_grad, ref_dw) <= relative_error(tf32_dw.bfloat16(), ref_dw)
-    # Not by a hair: the hi/lo split keeps ~16 bits of grad_output, TF32 11.
+    # fp32out rounds grad_output exactly as TF32 does (11 bits, to nearest) and keeps the
+    # bf16 operands exact: the same error, up to the order of fp32 accumulation
+    slack = 1 + 2.0**-10
+    assert relative_error(dx, ref_dx) <= relative_error(tf32_dx, ref_dx) * slack
+    assert relative_error(main_grad, ref_dw) <= relative_error(tf32_dw, ref_dw) * slack
+    assert relative_error(weight_grad, ref_dw) <= relative_error(tf32_dw.bfloat16(), ref_dw) * slack
+    # and not by luck: a plain bf16 rounding of grad_output is several times worse
+    bf16_dw = g.bfloat16().float().t() @ x.float()
+    assert relative_error(main_grad, ref_dw) * 4 < relative_error(bf16_dw, ref_dw)
+
+
+@pytest.mark.parametrize("kind", ["cross-entropy", "normal"])
+def test_fp32out_hilo_backward_is_far_more_precise_than_tf32(kind: str):
+    x, w = operands()
+    g = grad_output(kind, x, w)
+    ref_dw = g.double().t() @ x.double()
+    tf32_dw = tf32_round(g).t() @ x.float()
+    _, _, main_grad = run("fp32out-hilo", x, w, g, fuse=True)
+    # the hi/lo split keeps ~16 bits of grad_output, TF32 11
     assert relative_error(main_grad, ref_dw) * 8 < relative_error(tf32_dw, ref_dw)
 
 
@@ -110,9 +129,9 @@ def test_gradients_match_float64_to_rounding(mode: str):
     ref_dx = g.double() @ w.double()
     _, dx, main_grad = run(mode, x, w, g, fuse=True)
     _, _, weight_grad = run(mode, x, w, g, fuse=False)
-    # fp32 accumulation over N (resp. V) products, plus the hi/lo remainder for fp32out.
-    dw_bound = (N * 2.0**-24 + 2.0**-16) * (g.double().abs().t() @ x.double().abs())
-    dx_bound = (V * 2.0**-24 + 2.0**-16) * (g.double().abs() @ w.double().abs())
+    # fp32 accumulation over N (resp. V) products, plus the rounding of grad_output.
+    dw_bound = (N * 2.0**-24 + GRAD_ROUNDING[mode]) * (g.double().abs().t() @ x.double().abs())
+    dx_bound = (V * 2.0**-24 + GRAD_ROUNDING[mode]) * (g.double().abs() @ w.double().abs())
     assert ((main_grad.double() - ref_dw).abs() <= dw_bound).all()
     # Rounded once to bf16 (half an ulp, 2**-9 relative) on top of that.
     assert ((weight_grad.double() - ref_dw).abs() <= dw_bound + ref_dw.abs() * 2.0**-8).all()
@@ -129,9 +148,11 @@ def test_main_grad_accumulates_across_micro_batches_in_fp32():
         lm_head_linear(x, weight, None, "fp32out", fuse_wgrad=True).backward(g)
         ref += g.double().t() @ x.double()
     assert weight.grad is None  # Megatron's fused path: the gradient lives in main_grad
-    # Both micro-batches are in (one overwritten would be off by ~70%), and with fp32
-    # precision: far below the 2**-9 that one bf16 rounding on the way would cost.
-    assert relative_error(weight.main_grad, ref) < 2.0**-14
+    # Both micro-batches are in (one overwritten would be off by ~70%), with fp32
+    # accumulation of 11-bit products: below what one bf16 rounding on the way would cost.
+    assert relative_error(weight.main_grad, ref) < 2.0**-11
+    rounded = weight.main_grad.bfloat16().double()
+    assert relative_error(rounded, ref) > 2.0**-11
 
 
 @pytest.mark.parametrize("zero_out", [False, True])

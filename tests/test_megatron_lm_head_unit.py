@@ -91,7 +91,7 @@ SHAPES = [gpt, ddp, llava, nemotron_vl, omni]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.__name__)
-@pytest.mark.parametrize("mode", [True, "fp32", "tf32", "fp32out", "fp32out-bf16grad"])
+@pytest.mark.parametrize("mode", [True, "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"])
 def test_finds_the_output_layer_in_each_nesting_and_gives_fp32_logits(shape, mode):
     chunk, _, layer = shape()
     assert apply_fp32_lm_head(chunk, mode) == [layer]

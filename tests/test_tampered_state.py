@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fp32patch.patcher import engine
+from fp32patch.patcher.spec import load_specs
 from tests.conftest import NEMOTRON, tree_digest
 from tests.support.pypi import import_root_from_members
 
@@ -308,7 +309,8 @@ def test_specs_load_only_from_the_package_or_a_named_folder(tmp_path):
     exe = shutil.which("fp32patch", path=str(Path(os.sys.executable).parent))
     assert exe is not None
     out = subprocess.run([exe, "list", "--json"], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
-    assert [p["id"] for p in json.loads(out)["patches"]] == ["nemotron-h-fp32-lm-head"]
+    shipped = sorted(s.id for s in load_specs())
+    assert sorted(p["id"] for p in json.loads(out)["patches"]) == shipped and "evil" not in shipped
     named = subprocess.run(
         [exe, "list", "--json", "--specs", str(tmp_path / "patches")], capture_output=True, text=True, check=True
     )

@@ -25,6 +25,13 @@ RELEASES = """
 """.split()
 
 
+PATCH = "nemotron-h-fp32-lm-head"
+
+
+def _status(out: dict) -> str:
+    return next(p["status"] for p in out["patches"] if p["id"] == PATCH)
+
+
 def _older(version: str) -> bool:
     return tuple(int(x) for x in version.split(".")[:2]) < (0, 11)
 
@@ -42,7 +49,9 @@ def test_lifecycle(version, tmp_path, cli):
 
     code, out = cli.json("apply", "-s", root)
     assert code == 0, out
-    [entry] = out["patches"]
+    [entry] = [p for p in out["patches"] if p["id"] == PATCH]
+    # the other patch's target (NeMo-RL) is not in this root, and says so
+    assert {p["status"] for p in out["patches"] if p["id"] != PATCH} == {"not-installed"}
     assert (entry["status"], entry["version"]) == ("applied", version)
     assert entry["variant"] == ("with-sampling-metadata" if _older(version) else "hidden-states-only")
     patched = target.read_bytes()
@@ -57,11 +66,11 @@ def test_lifecycle(version, tmp_path, cli):
     assert "mark_dirty(self)" in patched.decode()
 
     code, out = cli.json("verify", "-s", root)
-    assert code == 0 and out["ok"] and out["patches"][0]["status"] == "applied"
+    assert code == 0 and out["ok"] and _status(out) == "applied"
 
     manifest = (root / ".fp32patch" / "manifest.json").read_bytes()
     code, out = cli.json("apply", "-s", root)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
+    assert code == 0 and _status(out) == "already-applied"
     assert target.read_bytes() == patched
     assert (root / ".fp32patch" / "manifest.json").read_bytes() == manifest
 
@@ -72,7 +81,7 @@ def test_lifecycle(version, tmp_path, cli):
 
     target.write_bytes(patched + b"# a hand edit after patching\n")
     code, out = cli.json("verify", "-s", root)
-    assert code == 1 and not out["ok"] and out["patches"][0]["status"] == "drifted"
+    assert code == 1 and not out["ok"] and _status(out) == "drifted"
 
     refused = cli("revert", "-s", root)
     assert refused.exit_code == 3
@@ -89,5 +98,5 @@ def test_lifecycle(version, tmp_path, cli):
     assert cli("revert", "-s", root).exit_code == 0
     assert target.read_bytes() == original
     code, out = cli.json("verify", "-s", root)
-    assert code == 1 and out["patches"][0]["status"] == "not-applied"
+    assert code == 1 and _status(out) == "not-applied"
     assert json.loads((root / ".fp32patch" / "manifest.json").read_text())["entries"] == []

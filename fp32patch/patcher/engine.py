@@ -89,8 +89,10 @@ class Report:
         """Per import root, how many patches have each status (roots in the order reported)."""
         roots: dict[str, dict] = {}
         for o in self.outcomes:
-            row = roots.setdefault(o.root, {"root": o.root, **({"env": o.env} if o.env else {}), "statuses": {}})
-            row["statuses"][o.status] = row["statuses"].get(o.status, 0) + 1
+            # a not-installed line folded over several roots names them joined by os.pathsep
+            for root in o.root.split(os.pathsep) if o.status == NOT_INSTALLED else [o.root]:
+                row = roots.setdefault(root, {"root": root, **({"env": o.env} if o.env else {}), "statuses": {}})
+                row["statuses"][o.status] = row["statuses"].get(o.status, 0) + 1
         return list(roots.values())
 
     def to_json(self) -> dict:
@@ -126,7 +128,7 @@ def _roots(roots: Sequence[Path], envs: Sequence[Path] = ()) -> list[tuple[Path,
 
     pairs: list[tuple[Path, Path | None]] = [(Path(r), None) for r in roots or ([] if envs else default_roots())]
     for folder in envs:
-        folder = Path(folder)
+        folder = Path(folder).absolute()
         if not folder.is_dir():
             raise UsageError(f"--envs {folder}: {'does not exist' if not folder.exists() else 'is not a folder'}")
         found = find_environments(folder)
@@ -331,20 +333,22 @@ def status(
 def _fold_not_installed(outcomes: list[Outcome], targets: Sequence[_Target]) -> list[Outcome]:
     """A patch found in some root need not be listed as missing from the others.
 
-    Environments found by --envs are each reported, whatever they hold: the report is per root,
-    in the order the roots were given (``-s`` first, then each environment in path order).
+    Environments found by --envs are each reported for every patch found in any of them (the
+    report is per root), in the order the roots were given (``-s`` first, then each environment
+    in path order); a patch found nowhere is one line, as for ``-s``.
     """
     order = {str(t.searched): i for i, t in reversed(list(enumerate(targets)))}
     outcomes = sorted(outcomes, key=lambda o: order.get(o.root, len(order)))
     found = {o.patch for o in outcomes if o.status != NOT_INSTALLED}
     kept, missing = [], {}
     for o in outcomes:
-        if o.status != NOT_INSTALLED or o.env:
+        if o.status != NOT_INSTALLED or (o.env and o.patch in found):
             kept.append(o)
         elif o.patch not in found and o.patch not in missing:
             missing[o.patch] = o
         elif o.patch in missing:
             missing[o.patch].root += os.pathsep + o.root
+            missing[o.patch].env = None  # several roots now, not one environment
     return kept + list(missing.values())
 
 
@@ -488,9 +492,9 @@ def _commit_apply(root: Path, planned: list[tuple[_Target, Result, bytes]]) -> t
     except OSError as exc:  # TransactionError included: the root cannot be written as planned
         raise _write_error(root, exc) from None
     for t, result in pending:
-        outcomes.append(
-            _outcome(t, "applied", message=result.message, variant=result.variant, details={"edits": result.edits})
-        )
+        # edits skipped because upstream already fixed their part, so a partial fix shows
+        details = {"edits": result.edits, **({"skipped": result.skipped} if result.skipped else {})}
+        outcomes.append(_outcome(t, "applied", message=result.message, variant=result.variant, details=details))
     return outcomes, notes
 
 

@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from fp32patch.patcher import ops
 from fp32patch.patcher.match import present
-from fp32patch.patcher.spec import Spec, Variant
+from fp32patch.patcher.spec import Edit, Spec, Variant
 
 APPLIED = "applied"
 ALREADY_APPLIED = "already-applied"
@@ -118,7 +118,10 @@ def transform(spec: Spec, source: bytes, *, path: str, version: str | None) -> R
     found = markers_in(text, spec.id)
     if found:
         wanted = set(spec.edit_ids)
-        if found >= wanted or any(found >= {e.id for e in v.edits} for v in variants):
+        # an edit skipped because upstream fixed that part leaves no marker, yet is done
+        if found >= wanted or any(
+            found | {e.id for e in v.edits if _fixed_upstream(module, e)} >= {e.id for e in v.edits} for v in variants
+        ):
             return result(ALREADY_APPLIED, edits=sorted(found), message=f"{spec.id}: already applied to {path}")
         return refuse(
             "partially-applied",
@@ -143,11 +146,16 @@ def transform(spec: Spec, source: bytes, *, path: str, version: str | None) -> R
     return errors[0]
 
 
+def _fixed_upstream(module: cst.Module, edit: Edit) -> bool:
+    """Whether every ``skip_when`` pattern of ``edit`` holds: its part is fixed upstream."""
+    return bool(edit.skip_when) and all(present(module, p) for p in edit.skip_when)
+
+
 def _apply_variant(spec: Spec, variant: Variant, module: cst.Module, result, refuse) -> Result:
     changes: list[ops.Change] = []
     performed, skipped = [], []
     for edit in variant.edits:
-        if edit.skip_when and all(present(module, p) for p in edit.skip_when):
+        if _fixed_upstream(module, edit):
             skipped.append(edit.id)
             continue
         try:

@@ -5,7 +5,7 @@ them: one side alone makes the train/generation mismatch worse. So
 ``validate_fp32_lm_head_config(policy_cfg)`` raises ``Fp32LmHeadConfigError`` unless
 
 - ``megatron_cfg.fp32_lm_head`` is one of false, true, "fp32", "tf32", "fp32out",
-  "fp32out-bf16grad" (missing or null: false). The string "false" and "TF32" are errors,
+  "fp32out-hilo", "fp32out-bf16grad" (missing or null: false). The string "false" and "TF32" are errors,
   never quietly off;
 - it is off when ``megatron_cfg.enabled`` is false (nothing would apply it) and when
   ``megatron_cfg.use_fused_linear_logprobs`` is true (that path computes log-probs from

@@ -97,3 +97,39 @@ def sum_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
     for piece in pieces[1:]:
         out = out + mm(piece, b)
     return out
+
+
+# fp16's largest power of two below its maximum (65504) is 2**15; slices are scaled so
+# their largest magnitude lands in [2**13, 2**14), away from overflow, while values down
+# to ~2**-27 of it stay normal fp16 numbers (11 significant bits, like TF32).
+_FP16_TOP_EXPONENT = 14
+_MAX_SHIFT = 100  # keeps the power-of-two scale itself a finite, normal fp32 number
+
+
+def _fp16_scaled(a: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` in fp16, each slice along ``dim`` multiplied by a power of two: (a16, scale)
+    with ``a ~= a16 / scale``. Exact for bf16 input in range; fp32 input is rounded to
+    nearest at 11 significant bits, as TF32 rounds it."""
+    import torch
+
+    amax = torch.linalg.vector_norm(a, float("inf"), dim=dim, keepdim=True).float()
+    _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, 0.5 <= m < 1
+    shift = (_FP16_TOP_EXPONENT - exponent).clamp(-_MAX_SHIFT, _MAX_SHIFT)
+    shift = torch.where(torch.isfinite(amax) & (amax > 0), shift, torch.zeros_like(shift))
+    scale = torch.exp2(shift.float())
+    a16 = torch.empty_like(a, dtype=torch.float16)
+    torch.mul(a, scale, out=a16)  # one pass: read a, write fp16, no fp32 temporary
+    return a16, scale
+
+
+def fp16_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32 through one fp16 GEMM: ``a`` scaled per row, ``b`` per column.
+
+    Power-of-two scales are exact and undone on the fp32 result. A bf16 operand is exact
+    in fp16 after scaling; an fp32 operand (a gradient) is rounded to 11 significant bits,
+    to nearest: the rounding a TF32 tensor core applies, at the cost of a 16-bit GEMM.
+    """
+    a16, row_scale = _fp16_scaled(a, dim=1)
+    b16, col_scale = _fp16_scaled(b, dim=0)
+    out = mm(a16, b16)
+    return out.div_(row_scale).div_(col_scale)

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     import torch
 
 _UPCAST_MODES = ("fp32", "tf32")
-# fp32out modes: how many bf16 terms carry the fp32 grad_output in the backward.
-_GRAD_TERMS = {"fp32out": 2, "fp32out-bf16grad": 1}
+# fp32out variants that carry the fp32 grad_output as bf16 terms: how many (hi, lo).
+_GRAD_TERMS = {"fp32out-hilo": 2, "fp32out-bf16grad": 1}
 
 
 @contextmanager
@@ -72,8 +72,14 @@ def _backward_gemms(
     if mode in _UPCAST_MODES or weight.dtype == torch.float32:
         # IEEE or TF32 fp32 GEMMs; an fp32 model has nothing to split against either.
         pieces, times = [grad], _upcast_mm
+    elif mode == "fp32out":
+        # grad_output through fp16 with power-of-two scales: TF32's rounding of it, at
+        # the speed of a bf16 GEMM (see fp32out.fp16_scaled_mm)
+        dx = fp32out.fp16_scaled_mm(grad, weight) if need_dx else None
+        dw = None if x is None else fp32out.fp16_scaled_mm(grad.t(), x)
+        return dx, dw
     else:
-        # fp32out: split once, use the pieces for both products.
+        # split once, use the pieces for both products.
         pieces, times = fp32out.split(grad, weight.dtype, _GRAD_TERMS[mode]), fp32out.sum_mm
     dx = times(pieces, weight) if need_dx else None
     dw = None if x is None else times([piece.t() for piece in pieces], x)

@@ -104,7 +104,7 @@ def apply_fp32_lm_head(model: Any, mode: Any) -> list[Any]:
     for the module that owns ``output_layer``. A chunk whose ``post_process`` is False (not
     the last pipeline stage) is skipped; one that claims the last stage but has no output
     layer is an error naming its type. ``mode`` is ``True``/``"fp32"``, ``"tf32"``,
-    ``"fp32out"`` or ``"fp32out-bf16grad"`` (see ``modes.py``); ``False``/``None`` does
+    ``"fp32out"``, ``"fp32out-hilo"`` or ``"fp32out-bf16grad"`` (see ``modes.py``); ``False``/``None`` does
     nothing and returns ``[]`` (it does not undo an earlier call), so a trainer can pass
     its config value straight through. Anything else raises ``ValueError``.
 

@@ -12,22 +12,24 @@ from __future__ import annotations
 #   fp32              bf16 operands upcast to fp32 inside the graph, IEEE fp32 GEMMs
 #   tf32              the same GEMMs with TF32 tensor cores allowed (operands that came from
 #                     bf16 are exact in TF32, so only the fp32 grad_output is rounded)
-#   fp32out           bf16 operands, fp32 output, no fp32 weight copy; the backward splits
-#                     the fp32 grad_output into two bf16 terms (hi + lo), which is more
-#                     precise than TF32 at the price of one extra GEMM per gradient
+#   fp32out           bf16 operands, fp32 output, no fp32 weight copy. The backward carries
+#                     the fp32 grad_output in fp16 with power-of-two scales per row/column
+#                     (bf16 operands are exact in fp16 after scaling): grad_output rounded to
+#                     nearest at 11 significant bits, exactly TF32's rounding of it, in
+#                     16-bit GEMMs at the bf16 rate
+#   fp32out-hilo      fp32out whose backward splits grad_output into two bf16 terms (hi + lo,
+#                     ~16 bits): more precise than TF32, for one extra GEMM per gradient
 #   fp32out-bf16grad  fp32out with grad_output rounded once to bf16 in the backward: the
-#                     speed of the stock bf16 head and its backward precision, but less
-#                     precise than tf32 there; opt-in only
+#                     stock bf16 head's backward precision, less precise than tf32; opt-in
 #
 # Cost in bf16-GEMM equivalents for forward + backward (the stock bf16 head: 3):
-# fp32out-bf16grad 3; fp32out 5 (1 + 2 x 2); tf32 3 TF32 GEMMs at half the bf16 tensor-core
-# rate, ~6, plus an fp32 copy of the weight shard in the forward and in the backward; fp32
-# 3 GEMMs without tensor cores, plus the same copies. Measured backward error against
-# float64 (CPU, tests/test_lm_head_gemm.py's method; N=1024 tokens, H=1024, V=8192,
-# cross-entropy gradient), relative norm of the fp32 weight gradient into main_grad:
-# fp32 2.5e-7, fp32out 4.0e-7, tf32 1.1e-4, fp32out-bf16grad 2.0e-4; of the bf16 input
-# gradient: 1.660e-3 for fp32 and fp32out, 1.664e-3 tf32, 1.672e-3 fp32out-bf16grad.
-MEGATRON_MODES: tuple[str, ...] = ("fp32", "tf32", "fp32out", "fp32out-bf16grad")
+# fp32out-bf16grad 3; fp32out 3 plus passes that scale and convert grad_output, the weight
+# and the input; fp32out-hilo 5; tf32 3 TF32 GEMMs at half the bf16 tensor-core rate, ~6,
+# plus fp32 copies of the weight shard; fp32 3 GEMMs without tensor cores, plus the copies.
+# Measured on an H200 (bench/RESULTS.md) and against float64 on the CPU (tests/
+# test_lm_head_gemm.py): fp32out's backward error equals TF32's; fp32out-hilo's is ~100x
+# smaller; fp32out-bf16grad's ~7x larger.
+MEGATRON_MODES: tuple[str, ...] = ("fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad")
 
 # How the valid Megatron values are spelled in errors: YAML booleans plus the mode names.
 MEGATRON_VALUES_TEXT = "false, true, " + ", ".join(f'"{m}"' for m in MEGATRON_MODES)

@@ -183,8 +183,10 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 def _sample(weight: torch.Tensor) -> torch.Tensor:
-    # a strided walk over the flattened weight: with stride cols+1 it visits a different
-    # column in each row it passes, so a refit of any part of the matrix shows in it
+    # a strided walk over the flattened weight (every element of a small head); with a
+    # stride that is not a multiple of the row length it visits a different column in
+    # each row it passes. A refit rewrites the whole matrix and so shows in the sample; a
+    # write of a few elements outside it would not: integrations doing that call sync().
     flat = weight.detach().reshape(-1)
     stride = max(1, flat.numel() // _SAMPLE_POINTS)
     if weight.dim() == 2 and stride % weight.shape[1] == 0:

@@ -220,15 +220,17 @@ def test_weight_gradients_accumulate_in_main_grad(mode: str, fused: bool):
     )
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp32out"])
-def test_fusion_keeps_the_weight_gradient_out_of_bf16(mode: str):
+# how much smaller the fused (fp32 main_grad) error must be than one bf16 rounding: fp32
+# and the hi/lo split carry grad_output with 16+ bits; fp32out with TF32's 11
+@pytest.mark.parametrize(("mode", "factor"), [("fp32", 100), ("fp32out-hilo", 100), ("fp32out", 4)])
+def test_fusion_keeps_the_weight_gradient_out_of_bf16(mode: str, factor: int):
     fused, p, grads = two_micro_batches(mode, fused=True)
     unfused, _, _ = two_micro_batches(mode, fused=False)
     x = p.x.double().reshape(-1, H)
     ref = sum(g.double().reshape(-1, V).t() @ x for g in grads)
     fused_err = (fused.main_grad.double() - ref).norm()
     unfused_err = (unfused.main_grad.double() - ref).norm()
-    assert fused_err * 100 < unfused_err
+    assert fused_err * factor < unfused_err
 
 
 @pytest.mark.parametrize("mode", MODES)

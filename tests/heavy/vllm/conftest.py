@@ -42,7 +42,6 @@ PATCHED_ROOT = _patched_root()
 sys.path.insert(0, str(PATCHED_ROOT))
 
 
-
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
 

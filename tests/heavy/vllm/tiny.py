@@ -63,7 +63,9 @@ class Builder:
             from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM as cls
         # a fresh config per model: vLLM registers each layer's name in its config
         extra = {"hf_overrides": config_overrides} if config_overrides else {}
-        vllm_config = VllmConfig(model_config=_model_config(ModelConfig, **extra))
+        vllm_config = VllmConfig(
+            model_config=_model_config(ModelConfig, **extra), parallel_config=self.vllm_config.parallel_config
+        )
         torch.manual_seed(seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -101,17 +103,22 @@ def cpu_platform() -> None:
 
 
 @contextlib.contextmanager
-def session(port: int) -> Iterator[Builder]:
+def session(port: int, world: int = 1, rank: int = 0) -> Iterator[Builder]:
     cpu_platform()
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    vllm_config = VllmConfig(model_config=_model_config(ModelConfig))
+    parallel = ParallelConfig(tensor_parallel_size=world)
+    vllm_config = VllmConfig(model_config=_model_config(ModelConfig), parallel_config=parallel)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo"
+            world_size=world,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
         )
-        initialize_model_parallel(1, 1)
+        initialize_model_parallel(world, 1)
         yield Builder(vllm_config)
 
 

@@ -1,0 +1,424 @@
+"""LM-head benchmark: every way of getting fp32 logits, side by side, on one GPU.
+
+Everything runs through the project's own runtime functions:
+
+* inference (the vLLM side): ``fp32patch.runtime.vllm_lm_head.compute_logits`` on a model
+  whose head and logits processor have vLLM's shapes, with ``NRL_VLLM_FP32_LM_HEAD`` set to
+  each way (``0`` is vLLM's stock bf16 GEMM; "tf32 copy" is the ``copy`` way with TF32
+  allowed, the original design's fast variant);
+* training (the Megatron side): ``fp32patch.runtime.lm_head_gemm.lm_head_linear``, the GEMM
+  ``apply_fp32_lm_head`` installs in Megatron's output layer, forward and backward, against
+  the stock bf16 ``x @ W.T``.
+
+Each shape is measured in one run: CUDA-event times (median of ``--iters`` after
+``--warmup``) as a ratio to the bf16 GEMM, extra device memory, and the mean |Δ log p| of
+sampled tokens against a float64 reference. The train/generation agreement puts the same
+hidden states through both sides and reports mean exp(|Δ log p|) between them.
+
+    python bench/lm_head.py --out bench/out/results.json [--plot bench/out/plot.png] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fp32patch.runtime import fp32out, vllm_lm_head  # noqa: E402
+from fp32patch.runtime.lm_head_gemm import lm_head_linear  # noqa: E402
+from fp32patch.runtime.matmul_precision import cuda_tf32  # noqa: E402
+
+SHAPES = [  # (tokens, hidden, vocab)
+    (16384, 4096, 131072),
+    (16384, 4096, 32768),  # one rank of a 131072 vocabulary under TP=4
+    (16384, 8192, 131072),
+]
+QUICK = [(2048, 1024, 8192)]
+INFER_WAYS = ["bf16", "bf16+float", "fp32 copy", "tf32 copy", "fp32out"]
+# "bf16" is the GEMM alone; "bf16+casts" is the stock head as a trainer runs it: the loss
+# upcasts the bf16 logits to fp32 and the gradient comes back cast to bf16
+TRAIN_WAYS = ["bf16", "bf16+casts", "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"]
+
+
+# ---------------------------------------------------------------- vLLM-shaped stand-ins
+
+
+class UnquantizedEmbeddingMethod:
+    """vLLM's unquantized head method (the runtime reads the class name): a bf16 GEMM."""
+
+    def apply(self, layer, x, bias=None):
+        return torch.nn.functional.linear(x, layer.weight, bias)
+
+
+class LmHead(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = UnquantizedEmbeddingMethod()
+
+
+class LogitsProcessor:
+    """vLLM's processor reduced to what a TP=1 head with no padding, scale or cap does."""
+
+    def __call__(self, lm_head, hidden_states):
+        return lm_head.quant_method.apply(lm_head, hidden_states)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.lm_head = LmHead(weight)
+        self.logits_processor = LogitsProcessor()
+
+
+@contextlib.contextmanager
+def env_way(value: str):
+    old = os.environ.get(vllm_lm_head.ENV)
+    os.environ[vllm_lm_head.ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(vllm_lm_head.ENV, None)
+        else:
+            os.environ[vllm_lm_head.ENV] = old
+
+
+def infer(way: str, model: Model, h: torch.Tensor) -> torch.Tensor:
+    if way == "bf16":
+        with env_way("0"):
+            return vllm_lm_head.compute_logits(model, h)
+    if way == "bf16+float":
+        with env_way("0"):
+            return vllm_lm_head.compute_logits(model, h).float()
+    if way in ("fp32 copy", "tf32 copy"):
+        with env_way("copy"), cuda_tf32(way == "tf32 copy"):
+            return vllm_lm_head.compute_logits(model, h)
+    with env_way("fp32out"):
+        return vllm_lm_head.compute_logits(model, h)
+
+
+# ---------------------------------------------------------------- measuring
+
+
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+def _reset_peak() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:  # a CPU smoke run checks the logic, not the speed
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def sampled_tokens(ref_logits64: torch.Tensor, seed: int = 0, chunk: int = 2048) -> torch.Tensor:
+    gen = torch.Generator(device=ref_logits64.device).manual_seed(seed)
+    out = []
+    for i in range(0, ref_logits64.shape[0], chunk):
+        probs = torch.softmax(ref_logits64[i : i + chunk], dim=-1)
+        out.append(torch.multinomial(probs, 1, generator=gen).squeeze(1))
+    return torch.cat(out)
+
+
+def token_logp(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """log p(token) per row, computed in float64 from ``logits`` as they are."""
+    out = []
+    for i in range(0, logits.shape[0], chunk):
+        lp = torch.log_softmax(logits[i : i + chunk].double(), dim=-1)
+        out.append(lp.gather(1, tokens[i : i + chunk, None]).squeeze(1))
+    return torch.cat(out)
+
+
+def reference64(h: torch.Tensor, w: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    w64 = w.double()
+    return torch.cat([h[i : i + chunk].double() @ w64.t() for i in range(0, h.shape[0], chunk)])
+
+
+def inputs(t: int, hdim: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states and a head that give logits of the size real models have (|z| ~ 15-30)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    h = torch.randn(t, hdim, device=DEVICE, generator=gen).bfloat16()
+    w = (torch.randn(v, hdim, device=DEVICE, generator=gen) * (6.0 / hdim**0.5)).bfloat16()
+    return h, w
+
+
+def bench_inference(shape, warmup, iters) -> dict:
+    t, hdim, v = shape
+    h, w = inputs(t, hdim, v)
+    model = Model(w)
+    ref = reference64(h, w)
+    tokens = sampled_tokens(ref)
+    ref_lp = token_logp(ref, tokens)
+    logits_max = ref.abs().amax(dim=-1).mean().item()
+    del ref
+    rows = {}
+    for way in INFER_WAYS:
+        _sync()
+        _reset_peak()
+        base = _allocated()
+        out = infer(way, model, h)  # also builds the copy of the copy ways
+        out_bytes = out.numel() * out.element_size()
+        del out
+        _sync()
+        persistent = _allocated() - base  # what the way keeps between calls
+        _reset_peak()
+        base2 = _allocated()
+        out = infer(way, model, h)
+        _sync()
+        transient = _peak() - base2 - out_bytes
+        ms = time_ms(lambda way=way: infer(way, model, h), warmup, iters)
+        err = (token_logp(out, tokens) - ref_lp).abs()
+        rows[way] = {
+            "ms": ms,
+            "extra_bytes_persistent": persistent,
+            "extra_bytes_transient": max(transient, 0),
+            "logits_dtype": str(out.dtype).removeprefix("torch."),
+            "mean_abs_dlogp": err.mean().item(),
+            "max_abs_dlogp": err.max().item(),
+        }
+        del out
+        if way.endswith("copy"):
+            vllm_lm_head_reset(model)
+    base_ms = rows["bf16"]["ms"]
+    for row in rows.values():
+        row["ratio"] = row["ms"] / base_ms
+    return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "mean_max_abs_logit": logits_max, "ways": rows}
+
+
+def vllm_lm_head_reset(model: Model) -> None:
+    """Drop the runtime's state (and its fp32 copy) so the next way starts clean."""
+    model.lm_head.__dict__.pop("_fp32patch_state", None)
+    _reset_peak()
+
+
+def train_step(way: str, x: torch.Tensor, w: torch.Tensor, grad32: torch.Tensor, grad16: torch.Tensor) -> None:
+    if way == "bf16":  # Megatron's stock output layer: a bf16 GEMM, bf16 logits and gradient
+        logits = torch.matmul(x, w.t())
+        logits.backward(grad16)
+    elif way == "bf16+casts":
+        logits = torch.matmul(x, w.t()).float()
+        logits.backward(grad32)
+    else:
+        logits = lm_head_linear(x, w, None, way)
+        logits.backward(grad32)
+    x.grad = None
+    w.grad = None
+
+
+def bench_training(shape, warmup, iters) -> dict:
+    t, hdim, v = shape
+    h, w0 = inputs(t, hdim, v, seed=1)
+    x = h.clone().requires_grad_(True)
+    w = w0.clone().requires_grad_(True)
+    # dLoss/dlogits of a cross entropy: softmax minus one-hot, over the tokens
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    grad32 = torch.softmax(torch.randn(t, v, device=DEVICE, generator=gen) * 4, dim=-1)
+    grad32[torch.arange(t, device=DEVICE), torch.randint(0, v, (t,), device=DEVICE, generator=gen)] -= 1.0
+    grad32 /= t
+    grad16 = grad32.bfloat16()
+    # float64 reference gradients, to report each way's backward error
+    dx64 = torch.cat([grad32[i : i + 4096].double() @ w0.double() for i in range(0, t, 4096)])
+    dw64 = grad32.double().t() @ h.double()
+    rows = {}
+    for way in TRAIN_WAYS:
+        _sync()
+        _reset_peak()
+        ms = time_ms(lambda way=way: train_step(way, x, w, grad32, grad16), warmup, iters)
+        # errors as a trainer with gradient-accumulation fusion sees them: the input
+        # gradient in bf16, the weight gradient accumulated in fp32 (main_grad)
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        if way in ("bf16", "bf16+casts"):  # Megatron's fused wgrad: bf16 operands, fp32 accumulation
+            torch.matmul(x, w.t()).backward(grad16, inputs=[x])
+            w.main_grad += fp32out.mm(grad16.t().contiguous(), x.detach())
+        else:
+            lm_head_linear(x, w, None, way, fuse_wgrad=True).backward(grad32)
+        dx_err = ((x.grad.double() - dx64).norm() / dx64.norm()).item()
+        dw_err = ((w.main_grad.double() - dw64).norm() / dw64.norm()).item()
+        x.grad = None
+        w.grad = None
+        del w.main_grad
+        rows[way] = {"ms": ms, "rel_err_dx": dx_err, "rel_err_dw_main_grad": dw_err}
+    base_ms = rows["bf16"]["ms"]
+    for row in rows.values():
+        row["ratio"] = row["ms"] / base_ms
+    return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "ways": rows}
+
+
+def agreement(shape, decode_rows: int = 512) -> dict:
+    """Same hidden states through the vLLM side (in decode-sized batches) and the Megatron
+    side (the whole sequence): mean exp(|Δ log p|) of sampled tokens between them."""
+    t, hdim, v = shape
+    h, w = inputs(t, hdim, v, seed=3)
+    model = Model(w)
+    ref = reference64(h, w)
+    tokens = sampled_tokens(ref, seed=4)
+    del ref
+
+    def vllm_side(way: str) -> torch.Tensor:
+        return torch.cat([infer(way, model, h[i : i + decode_rows]) for i in range(0, t, decode_rows)])
+
+    def megatron_side(mode: str) -> torch.Tensor:
+        with torch.no_grad():
+            if mode == "bf16":
+                return torch.matmul(h, w.t())
+            return lm_head_linear(h, w, None, mode)
+
+    pairs = {
+        "bf16 / bf16": ("bf16", "bf16"),
+        "fp32out / fp32out": ("fp32out", "fp32out"),
+        "fp32out / fp32": ("fp32out", "fp32"),
+        "fp32out / bf16 (one side only)": ("fp32out", "bf16"),
+        "bf16 / fp32out (one side only)": ("bf16", "fp32out"),
+    }
+    out = {}
+    for name, (gen_way, train_mode) in pairs.items():
+        a = token_logp(vllm_side(gen_way), tokens)
+        b = token_logp(megatron_side(train_mode), tokens)
+        out[name] = {
+            "mean_exp_abs_dlogp": torch.exp((a - b).abs()).mean().item(),
+            "max_abs_dlogp": (a - b).abs().max().item(),
+        }
+    vllm_lm_head_reset(model)
+    return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "decode_rows": decode_rows, "pairs": out}
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = results["inference"][0]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for way, row in first["ways"].items():
+        ax.scatter(row["ratio"], row["mean_abs_dlogp"], s=60)
+        ax.annotate(way, (row["ratio"], row["mean_abs_dlogp"]), textcoords="offset points", xytext=(6, 4))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    s = first["shape"]
+    ax.set_xlabel("time / bf16 GEMM time")
+    ax.set_ylabel("mean |Δ log p| vs float64 (sampled tokens)")
+    ax.set_title(f"LM-head logits on {results['machine']['gpu']}: T={s['tokens']}, H={s['hidden']}, V={s['vocab']}")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(results: dict) -> str:
+    lines = []
+    for block in results["inference"]:
+        s = block["shape"]
+        lines.append(f"\ninference T={s['tokens']} H={s['hidden']} V={s['vocab']}")
+        lines.append(f"{'way':<14}{'ms':>9}{'ratio':>8}{'extra MiB':>11}{'transient MiB':>15}{'mean|dlogp|':>13}")
+        for way, r in block["ways"].items():
+            lines.append(
+                f"{way:<14}{r['ms']:>9.2f}{r['ratio']:>8.3f}{r['extra_bytes_persistent'] / 2**20:>11.1f}"
+                f"{r['extra_bytes_transient'] / 2**20:>15.1f}{r['mean_abs_dlogp']:>13.2e}"
+            )
+    for block in results["training"]:
+        s = block["shape"]
+        lines.append(f"\ntraining fwd+bwd T={s['tokens']} H={s['hidden']} V={s['vocab']}")
+        lines.append(f"{'mode':<18}{'ms':>9}{'ratio':>8}{'err dx':>11}{'err dW(main_grad)':>19}")
+        for way, r in block["ways"].items():
+            lines.append(
+                f"{way:<18}{r['ms']:>9.2f}{r['ratio']:>8.3f}{r['rel_err_dx']:>11.2e}{r['rel_err_dw_main_grad']:>19.2e}"
+            )
+    for block in results["agreement"]:
+        lines.append(f"\ntrain/generation agreement (vLLM side in batches of {block['decode_rows']} rows)")
+        for name, r in block["pairs"].items():
+            lines.append(
+                f"{name:<34} mean exp|dlogp| {r['mean_exp_abs_dlogp']:.6f}   max |dlogp| {r['max_abs_dlogp']:.2e}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/results.json"))
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="a smoke run of the logic on the CPU (no timings worth reading)"
+    )
+    args = parser.parse_args()
+    global DEVICE
+    if args.cpu:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("bench/lm_head.py needs a CUDA GPU (or --cpu --quick for a smoke run); none is visible", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # the ways set what they need themselves
+    shapes = QUICK if args.quick else SHAPES
+    results = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "host": platform.node(),
+        },
+        "settings": {"warmup": args.warmup, "iters": args.iters},
+        "inference": [bench_inference(s, args.warmup, args.iters) for s in shapes],
+        "training": [bench_training(s, args.warmup, args.iters) for s in shapes],
+        "agreement": [agreement(shapes[0])],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
