@@ -29,8 +29,10 @@ pytestmark = pytest.mark.network
 
 RECORD = "vllm-0.33.0.dist-info/RECORD"
 NEMOTRON_ID = "nemotron-h-fp32-lm-head"
+NEMO_RL_ID = "nemo-rl-context-length-400"
 MAX_STEPS = 60  # far more than any command takes; a loop that never ends is a failure
 KILLED = -9
+BATCH = 4  # killed processes started at once
 
 
 def _fp32patch(*args: str, crash_at: int | None = None) -> subprocess.CompletedProcess:
@@ -42,52 +44,79 @@ def _fp32patch(*args: str, crash_at: int | None = None) -> subprocess.CompletedP
     )
 
 
+def _start(*args: str, crash_at: int) -> subprocess.Popen:
+    env = {**os.environ, "FP32PATCH_CRASH_AT": str(crash_at)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "fp32patch", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+
+
 def _code_names(path: Path) -> set[str]:
     """The names in the code object Python's import system loads for ``path`` (bytecode included)."""
     loader = importlib.machinery.SourceFileLoader("probe", str(path))
     return {c.co_name for c in loader.get_code("probe").co_consts if hasattr(c, "co_name")}
 
 
-class Forms:
-    """The bytes a file may have: original or patched (target and RECORD)."""
-
-    def __init__(self, original: Path, patched: Path):
-        self.target = {"original": (original / NEMOTRON).read_bytes(), "patched": (patched / NEMOTRON).read_bytes()}
-        self.record = {"original": (original / RECORD).read_bytes(), "patched": (patched / RECORD).read_bytes()}
-
-    def which(self, root: Path) -> str:
-        data = (root / NEMOTRON).read_bytes()
-        found = [k for k, v in self.target.items() if v == data]
-        assert found, "torn target: neither the original nor the patched bytes"
-        record = (root / RECORD).read_bytes()
-        assert record in self.record.values(), "torn RECORD"
-        return found[0]
+NEMO_RL = "nemo_rl/models/generation/vllm/vllm_worker_async.py"
+NEMO_RL_FIXTURE = Path(__file__).parent / "fixtures" / "nemo_rl" / "pre_fix.py"
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    """vLLM 0.33.0's nemotron_h.py and dist-info, with a stale-prone (unchecked-hash) pyc of it."""
-    root = import_root_from_members("vllm", "0.33.0", [NEMOTRON], tmp_path_factory.mktemp("pristine") / "sp")
+class Layout:
+    """A root with one target (vLLM's) or two (vLLM's and NeMo-RL's, one transaction), and their forms."""
+
+    def __init__(self, pristine: Path, patched: Path, files: dict[str, str]):
+        self.pristine, self.patched, self.files = pristine, patched, files
+        self.forms = {
+            rel: {"original": (pristine / rel).read_bytes(), "patched": (patched / rel).read_bytes()}
+            for rel in files.values()
+        }
+        self.record = {"original": (pristine / RECORD).read_bytes(), "patched": (patched / RECORD).read_bytes()}
+
+    def which(self, root: Path) -> dict[str, str]:
+        """Each patch's file: "original" or "patched"; a torn file (or RECORD) fails here."""
+        out = {}
+        for patch, rel in self.files.items():
+            data = (root / rel).read_bytes()
+            found = [k for k, v in self.forms[rel].items() if v == data]
+            assert found, f"torn {rel}: neither the original nor the patched bytes"
+            out[patch] = found[0]
+        assert (root / RECORD).read_bytes() in self.record.values(), "torn RECORD"
+        return out
+
+
+def _build(base: Path, two_files: bool) -> Layout:
+    """vLLM 0.33.0's nemotron_h.py and dist-info, with a stale-prone (unchecked-hash) pyc of it;
+    with two files, NeMo-RL's route file beside it, so one apply writes both in one transaction."""
+    root = import_root_from_members("vllm", "0.33.0", [NEMOTRON], base / "pristine")
+    files = {NEMOTRON_ID: NEMOTRON}
+    if two_files:
+        (root / NEMO_RL).parent.mkdir(parents=True)
+        shutil.copyfile(NEMO_RL_FIXTURE, root / NEMO_RL)
+        files[NEMO_RL_ID] = NEMO_RL
     target = root / NEMOTRON
     py_compile.compile(
         str(target),
         cfile=importlib.util.cache_from_source(str(target)),
         invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
     )
-    return root
+    patched = base / "patched"
+    shutil.copytree(root, patched)
+    assert _fp32patch("apply", "-s", str(patched)).returncode == 0
+    return Layout(root, patched, files)
+
+
+@pytest.fixture(scope="module", params=["one file", "two files"])
+def layout(request, tmp_path_factory) -> Layout:
+    return _build(tmp_path_factory.mktemp("layout"), request.param == "two files")
 
 
 @pytest.fixture(scope="module")
-def patched(pristine, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("patched") / "sp"
-    shutil.copytree(pristine, root)
-    assert _fp32patch("apply", "-s", str(root)).returncode == 0
-    return root
-
-
-@pytest.fixture(scope="module")
-def forms(pristine, patched) -> Forms:
-    return Forms(pristine, patched)
+def one_file(tmp_path_factory) -> Layout:
+    return _build(tmp_path_factory.mktemp("one-file"), False)
 
 
 def _copy(src: Path, dest: Path) -> Path:
@@ -96,9 +125,9 @@ def _copy(src: Path, dest: Path) -> Path:
     return dest
 
 
-def _assert_settled(root: Path, forms: Forms, expect: str) -> None:
+def _assert_settled(root: Path, layout: Layout, expect: str) -> None:
     """What a finished command leaves: the expected bytes, RECORD in step, no leftovers."""
-    assert forms.which(root) == expect
+    assert set(layout.which(root).values()) == {expect}
     data = (root / NEMOTRON).read_bytes()
     row = next(line for line in (root / RECORD).read_text().splitlines() if line.startswith(NEMOTRON + ","))
     assert row.split(",")[1] == record_hash(data)
@@ -108,81 +137,94 @@ def _assert_settled(root: Path, forms: Forms, expect: str) -> None:
     # a kill before the intent was recorded may leave no manifest at all: nothing to record
     manifest = json.loads(path.read_text()) if path.exists() or expect == "patched" else {"entries": []}
     assert all(e["state"] == "applied" for e in manifest["entries"])
-    assert len(manifest["entries"]) == (1 if expect == "patched" else 0)
+    assert len(manifest["entries"]) == (len(layout.files) if expect == "patched" else 0)
 
 
-def _verify_tells(cli, root: Path, forms: Forms) -> str:
-    which = forms.which(root)
+def _verify_tells(cli, root: Path, layout: Layout) -> str:
+    """verify's status of each patch is what its file's bytes are; returns the combination."""
+    which = layout.which(root)
     code, out = cli.json("verify", "-s", root)
-    [entry] = [p for p in out["patches"] if p["id"] == NEMOTRON_ID]
-    assert entry["status"] == ("applied" if which == "patched" else "not-applied"), entry
-    assert code == 1 or which == "patched"  # a killed apply never verifies as fine while original
-    return which
+    statuses = {p["id"]: p["status"] for p in out["patches"]}
+    for patch, form in which.items():
+        assert statuses[patch] == ("applied" if form == "patched" else "not-applied"), (patch, out)
+    assert code == 1 or set(which.values()) == {"patched"}  # never fine while a file is original
+    return "+".join(which[p] for p in sorted(which))
 
 
 def _kill_points(command: list[str], start: Path, work: Path, check) -> int:
-    """Run ``command`` on a fresh copy of ``start`` killed at step 1, 2, ... until it finishes."""
-    for n in range(1, MAX_STEPS + 1):
-        root = _copy(start, work / f"kill-{n}")
-        proc = _fp32patch(*command, "-s", str(root), crash_at=n)
-        if proc.returncode == 0:
-            return n - 1
-        assert proc.returncode == KILLED, proc.stderr
-        check(n, root)
-        shutil.rmtree(root)
+    """Run ``command`` on fresh copies of ``start`` killed at step 1, 2, ... until it finishes.
+
+    The killed processes run a few at a time (each on its own copy); the checks, in step order.
+    """
+    for first in range(1, MAX_STEPS + 1, BATCH):
+        steps = range(first, first + BATCH)
+        roots = [_copy(start, work / f"kill-{n}") for n in steps]
+        procs = [_start(*command, "-s", str(root), crash_at=n) for n, root in zip(steps, roots, strict=True)]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        for n, root, proc, stderr in zip(steps, roots, procs, errors, strict=True):
+            if proc.returncode == 0:
+                return n - 1
+            assert proc.returncode == KILLED, stderr
+            check(n, root)
+            shutil.rmtree(root)
     raise AssertionError(f"{command} still had write steps after {MAX_STEPS}")
 
 
-def test_apply_killed_at_every_step(pristine, forms, tmp_path, cli):
+def test_apply_killed_at_every_step(layout, tmp_path, cli, kill_points):
     seen: dict[str, int] = {}
 
     def check(n: int, root: Path) -> None:
-        which = _verify_tells(cli, root, forms)
+        which = _verify_tells(cli, root, layout)
         seen[which] = seen.get(which, 0) + 1
         other = _copy(root, tmp_path / "revert-after")
         result = cli("apply", "-s", root)
         assert result.exit_code == 0, result.stdout + result.stderr
-        _assert_settled(root, forms, "patched")
+        _assert_settled(root, layout, "patched")
         assert cli("verify", "-s", root).exit_code == 0
         result = cli("revert", "-s", other)
         assert result.exit_code == 0, result.stdout + result.stderr
-        _assert_settled(other, forms, "original")
+        _assert_settled(other, layout, "original")
 
-    steps = _kill_points(["apply"], pristine, tmp_path, check)
+    steps = _kill_points(["apply"], layout.pristine, tmp_path, check)
+    kill_points.append(("apply", len(layout.files), steps))
     assert steps >= 10  # keep original, intent, target, RECORD, settle: two points per durable write
-    assert seen.get("original") and seen.get("patched")  # the kills fell on both sides of the replace
-    print(f"apply: {steps} kill points, files after the kill: {seen}")
+    # the kills fell on both sides of every replace (and, with two files, between them)
+    assert len(seen) == len(layout.files) + 1, seen
+    print(f"apply ({len(layout.files)} file(s)): {steps} kill points, files after the kill: {seen}")
 
 
-def test_revert_killed_at_every_step(patched, forms, tmp_path, cli):
+def test_revert_killed_at_every_step(layout, tmp_path, cli, kill_points):
     seen: dict[str, int] = {}
 
     def check(n: int, root: Path) -> None:
-        which = _verify_tells(cli, root, forms)
+        which = _verify_tells(cli, root, layout)
         seen[which] = seen.get(which, 0) + 1
         other = _copy(root, tmp_path / "apply-after")
         result = cli("revert", "-s", root)
         assert result.exit_code == 0, result.stdout + result.stderr
-        _assert_settled(root, forms, "original")
+        _assert_settled(root, layout, "original")
         result = cli("apply", "-s", other)
         assert result.exit_code == 0, result.stdout + result.stderr
-        _assert_settled(other, forms, "patched")
+        _assert_settled(other, layout, "patched")
 
-    steps = _kill_points(["revert"], patched, tmp_path, check)
+    steps = _kill_points(["revert"], layout.patched, tmp_path, check)
+    kill_points.append(("revert", len(layout.files), steps))
     assert steps >= 6
-    assert seen.get("original") and seen.get("patched")
-    print(f"revert: {steps} kill points, files after the kill: {seen}")
+    assert len(seen) == len(layout.files) + 1, seen
+    print(f"revert ({len(layout.files)} file(s)): {steps} kill points, files after the kill: {seen}")
 
 
-def test_forced_revert_killed_at_every_step_loses_no_bytes(patched, forms, tmp_path, cli):
+def test_forced_revert_killed_at_every_step_loses_no_bytes(one_file, tmp_path, cli, kill_points):
     """A drifted file's bytes are either still in place or kept in displaced/, whatever the kill."""
-    start = _copy(patched, tmp_path / "drifted")
-    edited = forms.target["patched"] + b"# a hand edit after patching\n"
+    layout = one_file
+    start = _copy(layout.patched, tmp_path / "drifted")
+    edited = layout.forms[NEMOTRON]["patched"] + b"# a hand edit after patching\n"
+    original = layout.forms[NEMOTRON]["original"]
     (start / NEMOTRON).write_bytes(edited)
 
     def check(n: int, root: Path) -> None:
         data = (root / NEMOTRON).read_bytes()
-        assert data in (edited, forms.target["original"])
+        assert data in (edited, original)
         displaced = root / ".fp32patch" / "displaced"
         kept = [p.read_bytes() for p in displaced.iterdir()] if displaced.is_dir() else []
         assert data == edited or edited in kept, "the hand-edited bytes were lost"
@@ -191,7 +233,15 @@ def test_forced_revert_killed_at_every_step_loses_no_bytes(patched, forms, tmp_p
         assert entry["status"] == ("drifted" if data == edited else "not-applied")
         result = cli("revert", "-s", root, "--force")
         assert result.exit_code == 0, result.stdout + result.stderr
-        _assert_settled(root, forms, "original")
+        _assert_settled(root, layout, "original")
 
     steps = _kill_points(["revert", "--force"], start, tmp_path, check)
+    kill_points.append(("revert --force", 1, steps))
     assert steps >= 8
+
+
+@pytest.fixture(scope="module")
+def kill_points():
+    tried: list[tuple[str, int, int]] = []
+    yield tried
+    print(f"\nkill points tried: {sum(n for _, _, n in tried)} ({tried})")
