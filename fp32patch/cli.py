@@ -200,6 +200,12 @@ def apply(
     )
 
 
+def _status(command: str, site_packages, envs, patch, as_json: bool, specs) -> None:
+    """verify and status share the engine's verdicts; only verify fails on a bad one."""
+    kwargs = {"spec_dir": specs, "command": command, "envs": envs or [], "as_json": as_json}
+    _run(engine.status, patch or [], site_packages or [], **kwargs)
+
+
 @app.command()
 def verify(
     site_packages: SitePackages = None,
@@ -209,15 +215,7 @@ def verify(
     specs: Specs = None,
 ) -> None:
     """Check that every installed target is patched and unchanged since (exit 1 if not)."""
-    _run(
-        engine.status,
-        patch or [],
-        site_packages or [],
-        spec_dir=specs,
-        command="verify",
-        envs=envs or [],
-        as_json=as_json,
-    )
+    _status("verify", site_packages, envs, patch, as_json, specs)
 
 
 @app.command()
@@ -229,15 +227,7 @@ def status(
     specs: Specs = None,
 ) -> None:
     """Show each patch's state in each import root (always exit 0 unless the input is bad)."""
-    _run(
-        engine.status,
-        patch or [],
-        site_packages or [],
-        spec_dir=specs,
-        command="status",
-        envs=envs or [],
-        as_json=as_json,
-    )
+    _status("status", site_packages, envs, patch, as_json, specs)
 
 
 @app.command()
