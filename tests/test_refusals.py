@@ -156,3 +156,22 @@ def test_json_shape(tmp_path, cli):
     assert {"id", "status", "target", "version", "path"} <= set(entry)
     assert entry["target"] == f"vllm:{NEMOTRON}" and entry["path"] == str(root / NEMOTRON)
     json.dumps(out)
+
+
+def test_upstream_reading_the_variable_is_obsolete_but_a_comment_is_not(tmp_path, cli):
+    root = _root(tmp_path)
+    _edit(
+        root,
+        "        logits = self.logits_processor(self.lm_head, hidden_states)\n",
+        "        # NRL_VLLM_FP32_LM_HEAD is handled by fp32patch\n"
+        "        logits = self.logits_processor(self.lm_head, hidden_states)\n",
+    )
+    code, out = cli.json("apply", "-s", root, "--dry-run")
+    assert code == 0 and out["patches"][0]["status"] == "would-apply"
+    _edit(
+        root,
+        "        # NRL_VLLM_FP32_LM_HEAD is handled by fp32patch\n",
+        '        if os.environ.get("NRL_VLLM_FP32_LM_HEAD"):\n            hidden_states = hidden_states.float()\n',
+    )
+    code, out = cli.json("apply", "-s", root)
+    assert code == 0 and out["patches"][0]["status"] == "obsolete"

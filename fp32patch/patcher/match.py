@@ -34,6 +34,8 @@ _EXPR_TYPES: dict[type, tuple[type, ...]] = {
     ast.Dict: (cst.Dict,),
     ast.List: (cst.List,),
     ast.Await: (cst.Await,),
+    # literals: a string pattern matches string literals in code, never comments
+    ast.Constant: (cst.SimpleString, cst.ConcatenatedString, cst.Integer, cst.Float, cst.Imaginary, cst.Name),
 }
 _STMT_TYPES: dict[type, tuple[type, ...]] = {
     ast.If: (cst.If,),
