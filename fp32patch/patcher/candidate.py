@@ -14,10 +14,9 @@ import tarfile
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
 
-from fp32patch.patcher.locate import normalize
+from fp32patch.patcher.locate import metadata_headers, normalize
 
 _SDIST_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar")
 
@@ -37,10 +36,6 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"path": str(self.path), "kind": self.kind, "distribution": self.name, "version": self.version}
-
-
-def _headers(raw: bytes) -> dict[str, str]:
-    return dict(HeaderParser().parsestr(raw.decode("utf-8", "replace"), headersonly=True).items())
 
 
 def read_candidate(path: Path, wanted: Iterable[str]) -> Candidate:
@@ -71,7 +66,7 @@ def _wheel(path: Path, wanted: list[str]) -> Candidate:
         meta = next((m for m in metas if m.split("/")[0].lower() == f"{stem}.dist-info"), metas[0] if metas else None)
         if meta is None:
             raise CandidateError(f"{path}: a wheel without a *.dist-info/METADATA")
-        headers = _headers(wheel.read(meta))
+        headers = metadata_headers(wheel.read(meta))
         found = Candidate("wheel", path, headers.get("Name"), headers.get("Version"))
         data_dirs = sorted({n.split("/")[0] for n in names if re.match(r"[^/]+\.data/(purelib|platlib)/", n)})
         for rel in wanted:
@@ -135,7 +130,7 @@ def _zip_sdist(path: Path, wanted: list[str]) -> Candidate:
 def _sdist(path: Path, top: str | None, pkg_info: bytes | None, hits: dict[str, tuple[str, bytes]]) -> Candidate:
     if pkg_info is None:
         raise CandidateError(f"{path}: an sdist without <name>-<version>/PKG-INFO")
-    headers = _headers(pkg_info)
+    headers = metadata_headers(pkg_info)
     found = Candidate("sdist", path, headers.get("Name"), headers.get("Version"))
     for rel, (member, data) in hits.items():
         found.files[rel] = data

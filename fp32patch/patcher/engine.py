@@ -186,6 +186,15 @@ def _outcome(t: _Target, status: str, **kw) -> Outcome:
     )
 
 
+def _by_root(targets: Sequence[_Target]) -> dict[Path, list[_Target]]:
+    """Located targets grouped by the root their file is in (where its state and lock live)."""
+    groups: dict[Path, list[_Target]] = {}
+    for t in targets:
+        if t.located is not None:
+            groups.setdefault(t.located.root, []).append(t)
+    return groups
+
+
 def _load_manifest(root: Path) -> mf.Manifest:
     try:
         return StateDir(root).load()
@@ -360,7 +369,7 @@ def _record_rel(t: _Target) -> str | None:
     loc = t.located
     assert loc is not None
     record = loc.distribution.record if loc.distribution else None
-    if record is not None and _within(loc.root, record):
+    if record is not None and record.is_relative_to(loc.root):
         return record.relative_to(loc.root).as_posix()
     return None
 
@@ -383,14 +392,6 @@ def _entry(t: _Target, result: Result, before: bytes) -> mf.Entry:
     )
 
 
-def _within(root: Path, path: Path) -> bool:
-    try:
-        path.relative_to(root)
-    except ValueError:
-        return False
-    return True
-
-
 def apply(
     ids: Sequence[str],
     roots: Sequence[Path],
@@ -401,13 +402,12 @@ def apply(
 ) -> Report:
     specs = select_specs(ids, spec_dir)
     targets = _targets(specs, roots, envs)
-    by_root: dict[Path, list[_Target]] = {}
-    outcomes: list[Outcome] = []
-    for t in targets:
-        if t.located is None:
-            outcomes.append(_outcome(t, NOT_INSTALLED, message=f"{_label(t.spec)} is not in {t.searched}"))
-        else:
-            by_root.setdefault(t.located.root, []).append(t)
+    by_root = _by_root(targets)
+    outcomes = [
+        _outcome(t, NOT_INSTALLED, message=f"{_label(t.spec)} is not in {t.searched}")
+        for t in targets
+        if t.located is None
+    ]
     if not by_root:
         outcomes = _fold_not_installed(outcomes, targets)
         return Report("apply", outcomes, EXIT_USAGE, notes=["no patch target was found in the given import roots"])
@@ -512,11 +512,7 @@ def revert(
     """Put back the exact original bytes of every patched file (sha256-checked)."""
     specs = select_specs(ids, spec_dir)
     every = _targets(specs, roots, envs)
-    targets = [t for t in every if t.located is not None]
-    by_root: dict[Path, list[_Target]] = {}
-    for t in targets:
-        assert t.located is not None
-        by_root.setdefault(t.located.root, []).append(t)
+    by_root = _by_root(every)
     outcomes: list[Outcome] = []
     notes: list[str] = []
     refused = False
@@ -609,14 +605,14 @@ def diff(
     outcomes = []
     refused = False
     targets = _targets(specs, roots, envs)
+    manifests = {root: _load_manifest(root) for root in _by_root(targets)}  # read once per root
     for t in targets:
         if t.located is None:
             outcomes.append(_outcome(t, NOT_INSTALLED))
             continue
         loc = t.located
         data = _read(loc.path)
-        manifest = _load_manifest(loc.root)
-        entry = manifest.find(t.spec.id, loc.relpath)
+        entry = manifests[loc.root].find(t.spec.id, loc.relpath)
         if entry is not None and sha256(data) != entry.sha256_before:
             try:
                 original = StateDir(loc.root).original(entry.sha256_before)

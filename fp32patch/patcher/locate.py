@@ -101,12 +101,16 @@ def find_distribution(root: Path, name: str) -> Distribution | None:
     return None
 
 
+def metadata_headers(raw: bytes) -> dict[str, str]:
+    """The headers of a METADATA or PKG-INFO file (Name, Version, ...)."""
+    return dict(HeaderParser().parsestr(raw.decode("utf-8", "replace"), headersonly=True).items())
+
+
 def _read_headers(path: Path) -> dict[str, str] | None:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        return metadata_headers(path.read_bytes())
     except OSError:
         return None
-    return dict(HeaderParser().parsestr(text, headersonly=True).items())
 
 
 def _editable_root(meta: Path) -> Path | None:

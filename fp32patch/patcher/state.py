@@ -112,18 +112,22 @@ class StateDir:
         else:
             atomic_write(self.manifest_path, raw, mode=self._file_bits())
 
-    def keep(self, data: bytes) -> tuple[str, bool]:
-        """Store ``data`` under its hash (once); the hash, and whether it was stored now."""
-        digest = sha256(data)
-        dest = self.originals / digest
-        self.real_dir(self.originals)
+    def _store(self, folder: Path, data: bytes) -> tuple[Path, bool]:
+        """``data`` under its hash in ``folder`` (once); the path, and whether it was written now."""
+        self.real_dir(folder)
+        dest = folder / sha256(data)
         try:
-            if sha256(read_no_follow(dest)) == digest:
-                return digest, False
+            if read_no_follow(dest) == data:
+                return dest, False
         except (FileNotFoundError, TransactionError):
             pass  # absent, or a symlink: atomic_write replaces the link itself
         atomic_write(dest, data, mode=self._file_bits())
-        return digest, True
+        return dest, True
+
+    def keep(self, data: bytes) -> tuple[str, bool]:
+        """Store ``data`` under its hash (once); the hash, and whether it was stored now."""
+        dest, stored = self._store(self.originals, data)
+        return dest.name, stored
 
     def forget(self, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -147,14 +151,7 @@ class StateDir:
     def displace(self, data: bytes) -> Path:
         """Keep bytes that a forced revert overwrites, so nothing is lost."""
         self._mkdir(self.displaced)
-        dest = self.displaced / sha256(data)
-        try:
-            if read_no_follow(dest) == data:
-                return dest
-        except (FileNotFoundError, TransactionError):
-            pass
-        atomic_write(dest, data, mode=self._file_bits())
-        return dest
+        return self._store(self.displaced, data)[0]
 
     def folders(self) -> list[Path]:
         return [self.path, self.originals, self.displaced]

@@ -268,7 +268,7 @@ class Transaction:
         for w in writes:
             path = self.target(w.relpath)
             self._record(w.record)  # refused now, before anything is written, if it is a symlink
-            if sha256(path.read_bytes()) != sha256(w.before):
+            if path.read_bytes() != w.before:
                 raise TransactionError(errno.EAGAIN, f"{path} changed while fp32patch was working; run it again")
             planned.append((w, path))
 
