@@ -80,17 +80,6 @@ def split(a: torch.Tensor, dtype: torch.dtype, terms: int = 2) -> list[torch.Ten
     return pieces
 
 
-def split_mm(a: torch.Tensor, b: torch.Tensor, terms: int = 2) -> torch.Tensor:
-    """``a @ b`` for fp32 ``a`` and low-precision ``b``: ``split(a)`` times ``b``, each piece
-    multiplied exactly with fp32 accumulation; one extra GEMM per extra term."""
-    import torch
-
-    if b.dtype == torch.float32:
-        # Nothing to split against: an fp32 ``b`` takes ``a`` whole.
-        return torch.mm(a, b)
-    return sum_mm(split(a, b.dtype, terms), b)
-
-
 def sum_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
     """``sum(piece @ b)`` in fp32 for low-precision pieces (see ``split``)."""
     out = mm(pieces[0], b)

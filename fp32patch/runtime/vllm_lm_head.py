@@ -308,7 +308,6 @@ def sync(model: Any) -> int:
             weight = owner.lm_head.weight
             if _capturing(weight):
                 raise RuntimeError("fp32patch.sync() cannot rebuild the fp32 copy during CUDA-graph capture")
-            state.copy.dirty = True
             _rebuild(state.copy, weight)
             rebuilt += 1
     return rebuilt
