@@ -208,6 +208,9 @@ def test_the_check_does_not_change_the_config():
 # ---- the driver's check of the probe reports ------------------------------------------------
 
 
+NEMOTRON_FILE = "/venvs/vllm/lib/python3.12/site-packages/vllm/model_executor/models/nemotron_h.py"
+
+
 def report(dtype="float32", way="fp32out", env="1", patched=True, reason="fp32 logits by fp32out", **extra):
     return {
         "dtype": dtype,
@@ -218,7 +221,11 @@ def report(dtype="float32", way="fp32out", env="1", patched=True, reason="fp32 l
         "host": "node-7",
         "patched": patched,
         "model": "NemotronHForCausalLM",
-        "files": ["/venvs/vllm/lib/python3.12/site-packages/vllm/model_executor/models/nemotron_h.py"],
+        "file": NEMOTRON_FILE,
+        "files": [
+            NEMOTRON_FILE,
+            "/venvs/vllm/lib/python3.12/site-packages/vllm/model_executor/layers/logits_processor.py",
+        ],
         **extra,
     }
 
@@ -268,8 +275,7 @@ def test_both_off_agree(info_lines):
             "fp32out",
             report("bfloat16", "stock", "1", False, "the model file is not patched"),
             f"computes bfloat16 logits while {KEY}='fp32out': the model file is not patched "
-            "(run fp32patch apply in that venv) (/venvs/vllm/lib/python3.12/site-packages/vllm/"
-            "model_executor/models/nemotron_h.py)",
+            f"(run fp32patch apply in that venv): {NEMOTRON_FILE}",
             id="unpatched",
         ),
         pytest.param(

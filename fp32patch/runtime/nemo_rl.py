@@ -188,14 +188,15 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     processor and gather, and returns a JSON-able report::
 
         {"dtype": "float32", "way": "fp32out", "reason": "...", "env": "1", "pid": 4242,
-         "host": "node-3", "patched": True, "model": "NemotronHForCausalLM", "files": [...]}
+         "host": "node-3", "patched": True, "model": "NemotronHForCausalLM",
+         "file": ".../nemotron_h.py", "files": [...]}
 
     ``dtype`` is that of this rank's logits (measured before the tensor-parallel gather on a
     rank that receives none); ``way`` is "fp32out", "copy" or "native" (fp32 logits),
     "stock" (the bf16 path although the variable asks for fp32, ``reason`` says why) or "off"
     (the variable is unset or 0 here); ``env`` is ``NRL_VLLM_FP32_LM_HEAD`` in this process;
-    ``patched`` says whether the model's file or its logits processor's carries fp32patch's
-    edits. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
+    ``patched`` says whether the model's files (``files``: its classes' and its logits
+    processor's; ``file``: the class that owns the head) carry fp32patch's edits. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
     Never called inside CUDA-graph capture; leaves the model as the first real call would.
     """
     import torch
@@ -220,6 +221,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
         "host": socket.gethostname(),
         "patched": patched,
         "model": type(owner).__name__,
+        "file": _file_of(owner),
         "files": files,
     }
     row = _probe_row(owner, head, device)
@@ -228,20 +230,32 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     except Exception as exc:  # reported with this worker's name by check_probe_reports
         report["reason"] = f"compute_logits raised {type(exc).__name__}: {exc}"
         return report
-    report["way"], report["reason"] = _way(model, env, report["dtype"], patched, files)
+    report["way"], report["reason"] = _way(model, env, report["dtype"], patched, report["file"])
     return report
 
 
 def _source_files(model: Any, owner: Any) -> list[str]:
+    """The files of the model's classes and its logits processor's, base classes included
+    (a subclass reaches a patched ``compute_logits`` through ``super()``)."""
     files: list[str] = []
     for obj in (model, owner, getattr(owner, "logits_processor", None)):
-        try:
-            path = inspect.getsourcefile(type(obj))
-        except TypeError:  # a builtin type
-            path = None
-        if path and path not in files:
-            files.append(path)
+        for cls in type(obj).__mro__:
+            if cls.__module__.split(".")[0] in ("builtins", "torch", "typing", "abc"):
+                continue
+            try:
+                path = inspect.getsourcefile(cls)
+            except TypeError:  # a builtin type
+                path = None
+            if path and path not in files:
+                files.append(path)
     return files
+
+
+def _file_of(obj: Any) -> str | None:
+    try:
+        return inspect.getsourcefile(type(obj))
+    except TypeError:
+        return None
 
 
 def _has_marker(path: str) -> bool:
@@ -320,7 +334,7 @@ def _extra_required_args(function: Any) -> int:
     return max(0, len(required) - 1)
 
 
-def _way(model: Any, env: str | None, dtype: str, patched: bool, files: list[str]) -> tuple[str, str]:
+def _way(model: Any, env: str | None, dtype: str, patched: bool, file: str | None) -> tuple[str, str]:
     from fp32patch.runtime import vllm_lm_head
 
     try:
@@ -329,18 +343,24 @@ def _way(model: Any, env: str | None, dtype: str, patched: bool, files: list[str
         return "stock", str(exc)
     if requested is None:
         state = "unset" if env is None or not env.strip() else f"{env!r}"
+        if dtype == "float32":
+            return "native", f"{_NATIVE}, although {VLLM_ENV_VAR} is {state} in this process"
         return "off", f"{VLLM_ENV_VAR} is {state} in this process"
     info = vllm_lm_head.describe(model)[0]
     way = info.get("way")
     if way is not None:
         return way, info.get("reason") or _WAY_REASONS.get(way, way)
     if dtype == "float32":
-        return "native", "the logits are float32 without fp32patch's runtime (vLLM computes this head in fp32 itself)"
+        return "native", _NATIVE
     if not patched:
-        return "stock", "the model file is not patched (run fp32patch apply in that venv): " + ", ".join(files)
+        return "stock", f"the model file is not patched (run fp32patch apply in that venv): {file}"
     return "stock", "the model's compute_logits did not call fp32patch's runtime"
 
 
+_NATIVE = (
+    "the logits are float32 without fp32patch's runtime (vLLM computes this head in fp32 itself: "
+    "head_dtype=float32, or a float32 model)"
+)
 _WAY_REASONS = {
     "fp32out": "fp32 logits by fp32out: bf16 operands, fp32 output",
     "copy": "fp32 logits by copy: an fp32 copy of the head's weight",
@@ -436,9 +456,12 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None) -> st
                 "a NeMo-RL that does not pass env_vars to its vLLM workers needs the patch)"
             )
         if not report.get("patched") and way != "native":
-            files = report.get("files") or []
-            where_ = f" ({', '.join(files)})" if files else ""
-            return said + f"the model file is not patched (run fp32patch apply in that venv){where_}"
+            file = report.get("file")
+            return (
+                said
+                + "the model file is not patched (run fp32patch apply in that venv)"
+                + (f": {file}" if file else "")
+            )
         return said + f"the way is {way}: {reason}"
     said = f"{worker} computes float32 logits while {MEGATRON_KEY} is off: "
     if env is not None and env.strip() not in ("", "0"):
