@@ -192,7 +192,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
          "file": ".../nemotron_h.py", "files": [...]}
 
     ``dtype`` is that of this rank's logits (measured before the tensor-parallel gather on a
-    rank that receives none); ``way`` is "fp32out", "copy" or "native" (fp32 logits),
+    rank that receives none: ``gathered`` False); ``way`` is "fp32out", "copy" or "native" (fp32 logits),
     "stock" (the bf16 path although the variable asks for fp32, ``reason`` says why) or "off"
     (the variable is unset or 0 here); ``env`` is ``NRL_VLLM_FP32_LM_HEAD`` in this process;
     ``patched`` says whether the model's files (``files``: its classes' and its logits
@@ -214,6 +214,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     patched = any(_has_marker(path) for path in files)
     report: dict[str, Any] = {
         "dtype": None,
+        "gathered": None,
         "way": "stock",
         "reason": "",
         "env": env,
@@ -226,7 +227,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     }
     row = _probe_row(owner, head, device)
     try:
-        report["dtype"] = _logits_dtype(model, owner, row)
+        report["dtype"], report["gathered"] = _logits_dtype(model, owner, row)
     except Exception as exc:  # reported with this worker's name by check_probe_reports
         report["reason"] = f"compute_logits raised {type(exc).__name__}: {exc}"
         return report
@@ -283,8 +284,9 @@ def _probe_row(owner: Any, head: Any, device: Any) -> Any:
     return row.reshape(1, size).to(dtype)
 
 
-def _logits_dtype(model: Any, owner: Any, row: Any) -> str:
-    """The dtype of this rank's logits from ``compute_logits`` for ``row``."""
+def _logits_dtype(model: Any, owner: Any, row: Any) -> tuple[str, bool]:
+    """The dtype of this rank's logits from ``compute_logits`` for ``row``, and whether this
+    rank received the gathered logits (False: measured on its own shard)."""
     import torch
 
     from fp32patch.runtime import vllm_lm_head
@@ -316,7 +318,7 @@ def _logits_dtype(model: Any, owner: Any, row: Any) -> str:
     dtype = logits.dtype if logits is not None else (seen[0] if seen else None)
     if dtype is None:
         raise RuntimeError("compute_logits returned no logits and no local logits were seen")
-    return str(dtype).removeprefix("torch.")
+    return str(dtype).removeprefix("torch."), logits is not None
 
 
 def _extra_required_args(function: Any) -> int:

@@ -60,7 +60,7 @@ def test_on_reports_float32_and_the_way_and_the_check_agrees(vllm_runtime, var, 
     assert report["way"] == "fp32out" and "fp32out" in report["reason"]
     assert report["env"] == "fp32out" and report["patched"] is True
     assert report["pid"] == os.getpid() and report["host"] == socket.gethostname()
-    assert report["model"] == "NemotronHForCausalLM"
+    assert report["model"] == "NemotronHForCausalLM" and report["gathered"] is True
     assert report["file"] == str(PATCHED_ROOT / NEMOTRON) and report["file"] in report["files"]
     check_probe_reports([report], "fp32out")
     assert info_lines() == [
@@ -165,6 +165,28 @@ def test_a_model_family_no_installed_spec_covers(vllm_runtime, var):
         assert f"computes bfloat16 logits while {KEY}='fp32': the model file is not patched" in message
 
 
+def test_a_head_the_runtime_leaves_stock_is_refused_with_the_runtime_reason(vllm_runtime, var):
+    from fp32patch.runtime import vllm_lm_head
+
+    class Fp8LinearMethod:  # a quantized head: the runtime reads the class name
+        def __init__(self, inner):
+            self.inner = inner
+
+        def apply(self, layer, x, bias=None):
+            return self.inner.apply(layer, x, bias=bias)
+
+    var("fp32out")
+    model = vllm_runtime.model()
+    model.lm_head.quant_method = Fp8LinearMethod(model.lm_head.quant_method)
+    report = probe_vllm_model(model)
+    assert (report["dtype"], report["way"], report["patched"]) == ("bfloat16", "stock", True)
+    described = vllm_lm_head.describe(model)[0].get("reason")
+    assert report["reason"] == (described or "the runtime kept vLLM's stock bf16 path")
+    assert f"computes bfloat16 logits while {KEY}='fp32out': the way is stock: {report['reason']}" in refusal(
+        [report], "fp32out"
+    )
+
+
 def test_an_invalid_value_in_the_worker_is_reported_and_refused(vllm_runtime, var):
     var("TF32")
     report = probe_vllm_model(vllm_runtime.model())
@@ -226,7 +248,7 @@ def _full_weight() -> torch.Tensor:
     return (torch.randn(tiny.VOCAB, tiny.HIDDEN, generator=gen) * 0.5).to(torch.bfloat16)
 
 
-def _worker(rank: int, world: int, port: int, value: str | None, results) -> None:
+def _worker(rank: int, world: int, port: int, value: str | None, all_gather: bool, results) -> None:
     """One vLLM worker: its own process and environment, the model loaded, then the probe (as
     NeMo-RL's worker extension runs it on collective_rpc)."""
     sys.path.insert(0, str(PATCHED_ROOT))
@@ -238,22 +260,26 @@ def _worker(rank: int, world: int, port: int, value: str | None, results) -> Non
     with tiny.session(port, world=world, rank=rank) as builder:
         model = builder.model()
         model.load_weights([("lm_head.weight", _full_weight())])
+        # False: vLLM's gather to rank 0 (other ranks get None), as on platforms without all-gather
+        model.logits_processor.use_all_gather = all_gather
         results[rank] = probe_vllm_model(model)
 
 
-def _spawn(world: int, value: str | None) -> list[dict]:
+def _spawn(world: int, value: str | None, all_gather: bool = True) -> list[dict]:
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, free_port(), value, results), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), value, all_gather, results), nprocs=world, join=True)
     return [dict(results[rank]) for rank in range(world)]
 
 
-def test_tp2_workers_each_probe_their_shard(var, info_lines):
+@pytest.mark.parametrize("all_gather", [True, False], ids=["all-gather", "gather-to-rank-0"])
+def test_tp2_workers_each_probe_their_shard(var, info_lines, all_gather):
     var("1")  # the driver's own environment; each worker has its own
-    reports = _spawn(2, "fp32out")
+    reports = _spawn(2, "fp32out", all_gather)
     assert [r["dtype"] for r in reports] == ["float32", "float32"]
     assert [r["way"] for r in reports] == ["fp32out", "fp32out"]
+    assert [r["gathered"] for r in reports] == [True, all_gather]  # rank 1 measured on its own shard
     assert len({r["pid"] for r in reports} | {os.getpid()}) == 3
     check_probe_reports([reports], "fp32out")  # one engine's collective_rpc result, nested
     assert "2 vLLM worker(s) compute float32 logits (way: fp32out)" in info_lines()[0]
