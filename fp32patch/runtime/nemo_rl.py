@@ -192,12 +192,13 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
          "file": ".../nemotron_h.py", "files": [...]}
 
     ``dtype`` is that of this rank's logits (measured before the tensor-parallel gather on a
-    rank that receives none: ``gathered`` False); ``way`` is "fp32out", "copy" or "native" (fp32 logits),
-    "stock" (the bf16 path although the variable asks for fp32, ``reason`` says why) or "off"
-    (the variable is unset or 0 here); ``env`` is ``NRL_VLLM_FP32_LM_HEAD`` in this process;
-    ``patched`` says whether the model's files (``files``: its classes' and its logits
-    processor's; ``file``: the class that owns the head) carry fp32patch's edits. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
-    Never called inside CUDA-graph capture; leaves the model as the first real call would.
+    rank that receives none: ``gathered`` False); ``way`` is "fp32out", "copy" or "native"
+    (fp32 logits), "stock" (the bf16 path although the variable asks for fp32, ``reason`` says
+    why) or "off" (the variable is unset or 0 here); ``env`` is ``NRL_VLLM_FP32_LM_HEAD`` in
+    this process; ``patched`` says whether the model's files (``files``: its classes' and its
+    logits processor's; ``file``: that of the class that owns the head) carry fp32patch's
+    edits. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
+    Refuses to run inside CUDA-graph capture; leaves the model as its first real call would.
     """
     import torch
 
