@@ -455,8 +455,8 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None) -> st
         if env is None or env.strip() in ("", "0"):
             state = "unset" if env is None or not env.strip() else f"{env!r}"
             return said + (
-                f"{VLLM_ENV_VAR} is {state} in that process (set it in policy.generation.vllm_cfg.env_vars; "
-                "a NeMo-RL that does not pass env_vars to its vLLM workers needs the patch)"
+                f"{VLLM_ENV_VAR} is {state} in that process (set it in "
+                "policy.generation.vllm_cfg.env_vars, not only in the driver's environment)"
             )
         if not report.get("patched") and way != "native":
             file = report.get("file")
