@@ -54,10 +54,7 @@ def test_triton_backward_gives_the_eager_bits(kind, fuse, monkeypatch):
     assert dx.dtype == torch.bfloat16 and dw.dtype == (torch.float32 if fuse else torch.bfloat16)
     assert torch.equal(dx, eager_dx)
     assert torch.equal(dw, eager_dw)
-    # and the precision claim holds: grad_output carried at 11 bits, like TF32
-    ref = g.double().t() @ x.double()
-    got = (dw.double() - 0.25) if fuse else dw.double()
-    assert ((got - ref).norm() / ref.norm()).item() < (2e-3 if not fuse else 2.0**-11)
+    # (the precision against TF32 tensor cores: test_cuda_runtime.py)
 
 
 def test_kernels_match_eager_piece_by_piece():
