@@ -83,6 +83,8 @@ def backward(t: int, h: int, v: int) -> dict:
     x16 = x.half()
     (_, wscale) = fp32out._fp16_scaled(w, rows=False, cols=True)[1]
     (_, xscale) = fp32out._fp16_scaled(x, rows=False, cols=True)[1]
+    # the same operand with bf16's 8 significant bits: does the GEMM's speed depend on the data?
+    by_row8 = (g16.float() * rs).half()
     dx32 = torch.mm(by_row, w16, out_dtype=torch.float32)
     dw32 = torch.mm(by_col.t(), x16, out_dtype=torch.float32)
     dxb, dwb = dx32.numel() * 4, dw32.numel() * 4
@@ -92,6 +94,10 @@ def backward(t: int, h: int, v: int) -> dict:
         "bf16 GEMM dW": (lambda: torch.mm(g16.t(), x), 0),
         "fp16 GEMM dx, fp32 out": (lambda: torch.mm(by_row, w16, out_dtype=torch.float32), 0),
         "fp16 GEMM dW, fp32 out": (lambda: torch.mm(by_col.t(), x16, out_dtype=torch.float32), 0),
+        "bf16 GEMM dx, fp32 out": (lambda: torch.mm(g16, w, out_dtype=torch.float32), 0),
+        "fp16 GEMM dx, fp16 out": (lambda: torch.mm(by_row, w16), 0),
+        "fp16 GEMM dx, fp32 out, 8-bit data": (lambda: torch.mm(by_row8, w16, out_dtype=torch.float32), 0),
+        "bf16 GEMM dW, fp32 out": (lambda: torch.mm(g16.t(), x, out_dtype=torch.float32), 0),
         "copy of the fp32 gradient (ceiling)": (lambda: g.clone(), 2 * gb),
         "fp32 -> bf16 cast of the gradient": (lambda: g.bfloat16(), gb + gb // 2),
         "eager: row max": (lambda: torch.linalg.vector_norm(g, float("inf"), dim=1, keepdim=True), gb),
@@ -100,6 +106,12 @@ def backward(t: int, h: int, v: int) -> dict:
         "eager: dW unscale (two passes)": (lambda: dw32.div_(ones_v).div_(ones_h), 4 * dwb),
         "triton: row + column max, one read": (lambda: kern.row_col_amax(g, True, True), gb),
         "triton: scale + convert, both operands": (lambda: kern.scale_to_fp16(g, rs, cs), 2 * gb),
+        "triton: weight column max": (lambda: kern.row_col_amax(w, False, True), w.numel() * 2),
+        "triton: weight convert": (lambda: kern.scale_to_fp16(w, None, wscale), w.numel() * 4),
+        "triton: input to fp16 per column (max + convert)": (
+            lambda: fp32out._fp16_scaled(x, rows=False, cols=True),
+            3 * x.numel() * 2,
+        ),
         "triton: weight to fp16 per column (max + convert)": (
             lambda: fp32out._fp16_scaled(w, rows=False, cols=True),
             3 * w.numel() * 2,
@@ -145,7 +157,7 @@ def tiles(t: int, v: int) -> dict:
     gb = g.numel() * 4
     row, col = kern.row_col_amax(g, True, True)
     rs, cs = fp32out._pow2_scale(row), fp32out._pow2_scale(col)
-    saved = {k: getattr(kern, k) for k in dir(kern) if k.startswith(("_AMAX_", "_CONVERT_"))}
+    saved = {k: getattr(kern, k) for k in dir(kern) if k.startswith(("_AMAX_", "_COLMAX_", "_CONVERT_"))}
     out = {}
     try:
         for bm, bn, steps, warps in [
@@ -159,6 +171,20 @@ def tiles(t: int, v: int) -> dict:
             t_ms = ms(lambda: kern.row_col_amax(g, True, True))
             print(f"  amax BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {gb / t_ms / 1e9:.2f} TB/s")
             out[f"amax {bm}x{bn}x{steps} w{warps}"] = t_ms
+        w = torch.randn(v, 4096, device="cuda").bfloat16()
+        for bm, bn, steps, warps in [
+            (32, 256, 16, 8),
+            (32, 256, 4, 8),
+            (64, 256, 16, 8),
+            (16, 512, 32, 8),
+            (32, 128, 32, 4),
+        ]:
+            kern._COLMAX_BM, kern._COLMAX_BN, kern._COLMAX_ROW_STEPS, kern._COLMAX_WARPS = bm, bn, steps, warps
+            t_ms = ms(lambda w=w: kern.row_col_amax(w, False, True))
+            print(
+                f"  colmax bf16 BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {w.numel() * 2 / t_ms / 1e9:.2f} TB/s"
+            )
+            out[f"colmax {bm}x{bn}x{steps} w{warps}"] = t_ms
         for bm, bn, warps in [(32, 256, 8), (64, 256, 8), (16, 512, 8), (32, 128, 4), (64, 128, 8), (8, 1024, 8)]:
             kern._CONVERT_BM, kern._CONVERT_BN, kern._CONVERT_WARPS = bm, bn, warps
             t_ms = ms(lambda: kern.scale_to_fp16(g, rs, cs))

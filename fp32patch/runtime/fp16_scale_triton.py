@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# Tiles: [rows, columns] per program. The maxima pass walks _AMAX_ROW_STEPS row tiles per
+# Tiles: [rows, columns] per program. The maxima pass walks ROW_STEPS row tiles per
 # program to keep the column partials small (T/(BM*steps) x V int32).
 _AMAX_BM, _AMAX_BN, _AMAX_ROW_STEPS, _AMAX_WARPS = 32, 256, 8, 8
+# column maxima only (a 16-bit weight or input): taller programs, fewer partials
+_COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS = 32, 256, 16, 8
 _CONVERT_BM, _CONVERT_BN, _CONVERT_WARPS = 32, 256, 8
 _UNSCALE_BM, _UNSCALE_BN, _UNSCALE_WARPS = 32, 256, 8
 
@@ -70,7 +72,8 @@ def load() -> bool:
         pid_n = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
         col_ok = rn < N
-        col_max = tl.zeros([BN], dtype=tl.int32)
+        # elementwise over the row steps; reduced across rows once, at the end
+        col_max = tl.zeros([BM, BN], dtype=tl.int32)
         for step in range(ROW_STEPS):
             rm = (pid_m * ROW_STEPS + step) * BM + tl.arange(0, BM)
             row_ok = rm < M
@@ -80,9 +83,9 @@ def load() -> bool:
             if ROWS:
                 tl.store(row_part + rm.to(tl.int64) * n_col_tiles + pid_n, tl.max(bits, axis=1), mask=row_ok)
             if COLS:
-                col_max = tl.maximum(col_max, tl.max(bits, axis=0))
+                col_max = tl.maximum(col_max, bits)
         if COLS:
-            tl.store(col_part + pid_m.to(tl.int64) * N + rn, col_max, mask=col_ok)
+            tl.store(col_part + pid_m.to(tl.int64) * N + rn, tl.max(col_max, axis=0), mask=col_ok)
 
     @triton.jit
     def convert_kernel(
@@ -163,8 +166,12 @@ def row_col_amax(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor 
 
     m, n = a.shape
     cdiv = _KERNELS["cdiv"]
-    n_col_tiles = cdiv(n, _AMAX_BN)
-    m_programs = cdiv(m, _AMAX_BM * _AMAX_ROW_STEPS)
+    if rows:
+        bm, bn, steps, warps = _AMAX_BM, _AMAX_BN, _AMAX_ROW_STEPS, _AMAX_WARPS
+    else:
+        bm, bn, steps, warps = _COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS
+    n_col_tiles = cdiv(n, bn)
+    m_programs = cdiv(m, bm * steps)
     row_part = torch.empty((m, n_col_tiles) if rows else (1,), dtype=torch.int32, device=a.device)
     col_part = torch.empty((m_programs, n) if cols else (1,), dtype=torch.int32, device=a.device)
     _KERNELS["amax"][(m_programs, n_col_tiles)](
@@ -176,12 +183,12 @@ def row_col_amax(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor 
         a.stride(0),
         a.stride(1),
         n_col_tiles,
-        BM=_AMAX_BM,
-        BN=_AMAX_BN,
-        ROW_STEPS=_AMAX_ROW_STEPS,
+        BM=bm,
+        BN=bn,
+        ROW_STEPS=steps,
         ROWS=rows,
         COLS=cols,
-        num_warps=_AMAX_WARPS,
+        num_warps=warps,
     )
     # int32 maxima of non-negative float bit patterns are the float maxima (NaN on top)
     row = row_part.amax(dim=1, keepdim=True).view(torch.float32) if rows else None
