@@ -76,8 +76,7 @@ def backward(t: int, h: int, v: int) -> dict:
     gb = g.numel() * 4  # bytes of the fp32 gradient
     main_grad = torch.zeros(v, h, device="cuda")
     assert fp32out._triton_kernels(g) is kern, "Triton kernels not available"
-    row, col = kern.row_col_amax(g, True, True)
-    rs, cs = fp32out._pow2_scale(row), fp32out._pow2_scale(col)
+    rs, cs = kern.row_col_scales(g, True, True)
     by_row, by_col = kern.scale_to_fp16(g, rs, cs)
     w16 = w.half()
     x16 = x.half()
@@ -104,9 +103,9 @@ def backward(t: int, h: int, v: int) -> dict:
         "eager: column max": (lambda: torch.linalg.vector_norm(g, float("inf"), dim=0, keepdim=True), gb),
         "eager: scale + convert (one operand)": (lambda: torch.mul(g, rs, out=by_row), gb + gb // 2),
         "eager: dW unscale (two passes)": (lambda: dw32.div_(ones_v).div_(ones_h), 4 * dwb),
-        "triton: row + column max, one read": (lambda: kern.row_col_amax(g, True, True), gb),
+        "triton: row + column scales, one read": (lambda: kern.row_col_scales(g, True, True), gb),
         "triton: scale + convert, both operands": (lambda: kern.scale_to_fp16(g, rs, cs), 2 * gb),
-        "triton: weight column max": (lambda: kern.row_col_amax(w, False, True), w.numel() * 2),
+        "triton: weight column scales": (lambda: kern.row_col_scales(w, False, True), w.numel() * 2),
         "triton: weight convert": (lambda: kern.scale_to_fp16(w, None, wscale), w.numel() * 4),
         "triton: input to fp16 per column (max + convert)": (
             lambda: fp32out._fp16_scaled(x, rows=False, cols=True),
@@ -155,8 +154,7 @@ def tiles(t: int, v: int) -> dict:
     """The Triton kernels over a few tile shapes, at [T, V]."""
     g = torch.softmax(torch.randn(t, v, device="cuda") * 4, -1) / t
     gb = g.numel() * 4
-    row, col = kern.row_col_amax(g, True, True)
-    rs, cs = fp32out._pow2_scale(row), fp32out._pow2_scale(col)
+    rs, cs = kern.row_col_scales(g, True, True)
     saved = {k: getattr(kern, k) for k in dir(kern) if k.startswith(("_AMAX_", "_COLMAX_", "_CONVERT_"))}
     out = {}
     try:
@@ -168,7 +166,7 @@ def tiles(t: int, v: int) -> dict:
             (64, 128, 8, 4),
         ]:
             kern._AMAX_BM, kern._AMAX_BN, kern._AMAX_ROW_STEPS, kern._AMAX_WARPS = bm, bn, steps, warps
-            t_ms = ms(lambda: kern.row_col_amax(g, True, True))
+            t_ms = ms(lambda: kern.row_col_scales(g, True, True))
             print(f"  amax BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {gb / t_ms / 1e9:.2f} TB/s")
             out[f"amax {bm}x{bn}x{steps} w{warps}"] = t_ms
         w = torch.randn(v, 4096, device="cuda").bfloat16()
@@ -180,7 +178,7 @@ def tiles(t: int, v: int) -> dict:
             (32, 128, 32, 4),
         ]:
             kern._COLMAX_BM, kern._COLMAX_BN, kern._COLMAX_ROW_STEPS, kern._COLMAX_WARPS = bm, bn, steps, warps
-            t_ms = ms(lambda w=w: kern.row_col_amax(w, False, True))
+            t_ms = ms(lambda w=w: kern.row_col_scales(w, False, True))
             print(
                 f"  colmax bf16 BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {w.numel() * 2 / t_ms / 1e9:.2f} TB/s"
             )

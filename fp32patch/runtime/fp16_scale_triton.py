@@ -11,10 +11,11 @@ a product while casting it to its dtype or adding it into ``main_grad``.
 
 The results are bit for bit those of the eager path: the maxima are exact (taken on the
 bit patterns of |a|, which order like the values and keep NaN above inf, as
-``torch.linalg.vector_norm(a, inf)`` does), the scales come from the same eager formula
-(``fp32out._pow2_scale``), the fp16 conversion rounds to nearest even like ``torch.mul(...,
-out=fp16)``, and multiplying by the exact inverse power of two equals dividing by it. No
-atomics: every program writes its own partial maxima, so runs repeat exactly. Everything
+``torch.linalg.vector_norm(a, inf)`` does), the scales follow ``fp32out._pow2_scale``'s
+formula on those bits (computed in a kernel, which saves a dozen small launches per
+operand), the fp16 conversion rounds to nearest even like ``torch.mul(..., out=fp16)``,
+and multiplying by the exact inverse power of two equals dividing by it. No atomics:
+every program writes its own partial maxima, so runs repeat exactly. Everything
 is allocated with torch on the current stream, so a CUDA graph can capture it (after a
 warm-up call has compiled the kernels, as for any Triton code).
 
@@ -31,10 +32,12 @@ if TYPE_CHECKING:
 
 # Tiles: [rows, columns] per program. The maxima pass walks ROW_STEPS row tiles per
 # program to keep the column partials small (T/(BM*steps) x V int32).
-_AMAX_BM, _AMAX_BN, _AMAX_ROW_STEPS, _AMAX_WARPS = 32, 256, 8, 8
+# (Chosen on an H200 among a few shapes: bench/fp32out_parts.py --tiles.)
+_AMAX_BM, _AMAX_BN, _AMAX_ROW_STEPS, _AMAX_WARPS = 64, 128, 8, 4
 # column maxima only (a 16-bit weight or input): taller programs, fewer partials
-_COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS = 32, 256, 16, 8
-_CONVERT_BM, _CONVERT_BN, _CONVERT_WARPS = 32, 256, 8
+_COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS = 64, 256, 16, 8
+_CONVERT_BM, _CONVERT_BN, _CONVERT_WARPS = 16, 512, 8
+_SCALES_BL, _SCALES_BP, _SCALES_WARPS = 128, 32, 4
 _UNSCALE_BM, _UNSCALE_BN, _UNSCALE_WARPS = 32, 256, 8
 
 _KERNELS: dict[str, Any] = {}
@@ -88,6 +91,24 @@ def load() -> bool:
             tl.store(col_part + pid_m.to(tl.int64) * N + rn, tl.max(col_max, axis=0), mask=col_ok)
 
     @triton.jit
+    def scales_kernel(part, scale, L, P, s_l, s_p, BL: tl.constexpr, BP: tl.constexpr):
+        # scale[l] = the power of two that brings max_p part[l, p] into [2**13, 2**14), from
+        # the bits: fp32out._pow2_scale's formula (frexp exponent e = biased exponent - 126,
+        # shift = clamp(14 - e, -100, 100); subnormal maxima clamp to 100 as well; 0, inf
+        # and NaN get 1)
+        rl = tl.program_id(0) * BL + tl.arange(0, BL)
+        l_ok = rl < L
+        acc = tl.zeros([BL, BP], dtype=tl.int32)
+        for p0 in range(0, P, BP):
+            rp = p0 + tl.arange(0, BP)
+            ptrs = part + rl.to(tl.int64)[:, None] * s_l + rp.to(tl.int64)[None, :] * s_p
+            acc = tl.maximum(acc, tl.load(ptrs, mask=l_ok[:, None] & (rp < P)[None, :], other=0))
+        bits = tl.max(acc, axis=1)
+        shift = tl.minimum(tl.maximum(140 - (bits >> 23), -100), 100)
+        shift = tl.where((bits > 0) & (bits < 0x7F800000), shift, 0)
+        tl.store(scale + rl, ((shift + 127) << 23).to(tl.float32, bitcast=True), mask=l_ok)
+
+    @triton.jit
     def convert_kernel(
         src,
         row_scale,
@@ -125,8 +146,8 @@ def load() -> bool:
     @triton.jit
     def unscale_kernel(
         src,
-        row_inv,
-        col_inv,
+        row_scale,
+        col_scale,
         dst,
         M,
         N,
@@ -138,7 +159,9 @@ def load() -> bool:
         BN: tl.constexpr,
         ACCUMULATE: tl.constexpr,
     ):
-        # dst (+)= src * row_inv[:, None] * col_inv[None, :], in dst's dtype
+        # dst (+)= src / row_scale[:, None] / col_scale[None, :], in dst's dtype, as a product
+        # with the exact inverses: for a power of two 2**k (|k| <= 100) the inverse's bits
+        # are (254 << 23) minus its own
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         row_ok = rm < M
@@ -147,21 +170,25 @@ def load() -> bool:
         rm64 = rm.to(tl.int64)
         rn64 = rn.to(tl.int64)
         a = tl.load(src + rm64[:, None] * s_m + rn64[None, :] * s_n, mask=mask, other=0.0)
-        r = tl.load(row_inv + rm, mask=row_ok, other=1.0)
-        c = tl.load(col_inv + rn, mask=col_ok, other=1.0)
-        v = a * r[:, None] * c[None, :]
+        r = tl.load(row_scale + rm, mask=row_ok, other=1.0).to(tl.int32, bitcast=True)
+        c = tl.load(col_scale + rn, mask=col_ok, other=1.0).to(tl.int32, bitcast=True)
+        r_inv = ((254 << 23) - r).to(tl.float32, bitcast=True)
+        c_inv = ((254 << 23) - c).to(tl.float32, bitcast=True)
+        v = a * r_inv[:, None] * c_inv[None, :]
         d = dst + rm64[:, None] * d_m + rn64[None, :] * d_n
         if ACCUMULATE:
             v = tl.load(d, mask=mask, other=0.0) + v
         tl.store(d, v.to(dst.dtype.element_ty), mask=mask)
 
-    _KERNELS.update(amax=amax_kernel, convert=convert_kernel, unscale=unscale_kernel, cdiv=triton.cdiv)
+    _KERNELS.update(
+        amax=amax_kernel, scales=scales_kernel, convert=convert_kernel, unscale=unscale_kernel, cdiv=triton.cdiv
+    )
     return True
 
 
-def row_col_amax(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """max |a| per row ([M, 1]) and per column ([1, N]) of a 2-D tensor, in fp32, in one
-    read of ``a``; None for the one not asked for."""
+def row_col_scales(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The power-of-two scales of ``fp32out._pow2_scale`` for max |a| per row ([M, 1]) and per
+    column ([1, N]) of a 2-D tensor, from one read of ``a``; None for the one not asked for."""
     import torch
 
     m, n = a.shape
@@ -172,6 +199,8 @@ def row_col_amax(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor 
         bm, bn, steps, warps = _COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS
     n_col_tiles = cdiv(n, bn)
     m_programs = cdiv(m, bm * steps)
+    # the maxima as int32 bit patterns of |a| (non-negative floats order as their bits, NaN
+    # above inf): per row and column tile, and per column and row block
     row_part = torch.empty((m, n_col_tiles) if rows else (1,), dtype=torch.int32, device=a.device)
     col_part = torch.empty((m_programs, n) if cols else (1,), dtype=torch.int32, device=a.device)
     _KERNELS["amax"][(m_programs, n_col_tiles)](
@@ -190,10 +219,19 @@ def row_col_amax(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor 
         COLS=cols,
         num_warps=warps,
     )
-    # int32 maxima of non-negative float bit patterns are the float maxima (NaN on top)
-    row = row_part.amax(dim=1, keepdim=True).view(torch.float32) if rows else None
-    col = col_part.amax(dim=0, keepdim=True).view(torch.float32) if cols else None
+    row = _scales(row_part, m, n_col_tiles, row_part.stride(0), 1).view(m, 1) if rows else None
+    col = _scales(col_part, n, m_programs, 1, n).view(1, n) if cols else None
     return row, col
+
+
+def _scales(part: torch.Tensor, length: int, reduced: int, s_l: int, s_p: int) -> torch.Tensor:
+    import torch
+
+    scale = torch.empty(length, dtype=torch.float32, device=part.device)
+    _KERNELS["scales"][(_KERNELS["cdiv"](length, _SCALES_BL),)](
+        part, scale, length, reduced, s_l, s_p, BL=_SCALES_BL, BP=_SCALES_BP, num_warps=_SCALES_WARPS
+    )
+    return scale
 
 
 def scale_to_fp16(
@@ -240,8 +278,9 @@ def unscale(
     out_dtype: torch.dtype,
     accumulate_into: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``product / row_scale / col_scale``: written in place when fp32, cast to
-    ``out_dtype`` otherwise, or added into ``accumulate_into`` (which is returned)."""
+    """``product / row_scale / col_scale`` for power-of-two scales in [2**-100, 2**100]:
+    written in place when fp32, cast to ``out_dtype`` otherwise, or added into
+    ``accumulate_into`` (which is returned)."""
     import torch
 
     if accumulate_into is not None:
@@ -254,8 +293,8 @@ def unscale(
     cdiv = _KERNELS["cdiv"]
     _KERNELS["unscale"][(cdiv(m, _UNSCALE_BM), cdiv(n, _UNSCALE_BN))](
         product,
-        _flat(1.0 / row_scale, product),
-        _flat(1.0 / col_scale, product),
+        _flat(row_scale, product),
+        _flat(col_scale, product),
         dst,
         m,
         n,

@@ -116,7 +116,8 @@ def _triton_kernels(a: torch.Tensor) -> Any:
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """The power of two that brings ``amax`` into [2**13, 2**14); 1 where ``amax`` is 0,
-    inf or NaN (the values pass through unscaled and overflow as they would anyway)."""
+    inf or NaN (the values pass through unscaled and overflow as they would anyway).
+    (``fp16_scale_triton`` computes the same from the bits of ``amax``.)"""
     import torch
 
     _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, 0.5 <= m < 1
@@ -135,9 +136,7 @@ def _fp16_scaled(a: torch.Tensor, rows: bool, cols: bool) -> tuple[Scaled | None
 
     kernels = _triton_kernels(a) if a.numel() else None
     if kernels is not None:
-        row_amax, col_amax = kernels.row_col_amax(a, rows, cols)
-        row_scale = None if row_amax is None else _pow2_scale(row_amax)
-        col_scale = None if col_amax is None else _pow2_scale(col_amax)
+        row_scale, col_scale = kernels.row_col_scales(a, rows, cols)
         by_row, by_col = kernels.scale_to_fp16(a, row_scale, col_scale)
         return (
             None if by_row is None else (by_row, row_scale),

@@ -53,20 +53,39 @@ def _wide(m: int, n: int, seed: int) -> torch.Tensor:
     return a
 
 
+def _eager_scales(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(
+        fp32out._pow2_scale(torch.linalg.vector_norm(a, float("inf"), dim=dim, keepdim=True).float()) for dim in (1, 0)
+    )
+
+
 @only_interpreted
-@pytest.mark.parametrize("shape", [(70, 300), (33, 517), (300, 5), (1, 1)])
-def test_maxima_and_conversion_match_eager(kernels, shape):
+@pytest.mark.parametrize("shape", [(70, 300), (33, 517), (1100, 5), (1, 1)])
+def test_scales_and_conversion_match_eager(kernels, shape):
     a = _wide(*shape, seed=shape[0])
-    row, col = kernels.row_col_amax(a, rows=True, cols=True)
-    assert torch.equal(row, torch.linalg.vector_norm(a, float("inf"), dim=1, keepdim=True))
-    assert torch.equal(col, torch.linalg.vector_norm(a, float("inf"), dim=0, keepdim=True))
-    rs, cs = fp32out._pow2_scale(row), fp32out._pow2_scale(col)
+    rs, cs = kernels.row_col_scales(a, rows=True, cols=True)
+    eager_rs, eager_cs = _eager_scales(a)
+    assert torch.equal(rs, eager_rs) and torch.equal(cs, eager_cs)
     by_row, by_col = kernels.scale_to_fp16(a, rs, cs)
     assert torch.equal(by_row, torch.mul(a, rs).half())
     assert torch.equal(by_col, torch.mul(a, cs).half())
     # a transposed view: rows and columns trade places
-    t_row, t_col = kernels.row_col_amax(a.t(), rows=True, cols=True)
-    assert torch.equal(t_row, col.t()) and torch.equal(t_col, row.t())
+    t_rs, t_cs = kernels.row_col_scales(a.t(), rows=True, cols=True)
+    assert torch.equal(t_rs, cs.t()) and torch.equal(t_cs, rs.t())
+
+
+@only_interpreted
+def test_scale_formula_at_the_edges_of_fp32(kernels):
+    # one row per maximum: 0, subnormals, the normal range's ends, inf and NaN
+    tiny = torch.finfo(torch.float32).tiny
+    maxima = [0.0, 1e-45, tiny / 2, tiny * (1 - 2**-23), tiny, 2.0**-114, 2.0**-113.5, 1.0, 0.75]
+    maxima += [2.0**13, 2.0**14, 2.0**114, 2.0**115, 3e38, float("inf"), float("nan")]
+    a = torch.tensor(maxima)[:, None] * torch.tensor([[1.0, -0.5, 0.25]])
+    a[:, 1] = -a[:, 0]  # the maximum of |a| may come from a negative entry
+    a[0] = 0
+    rs, _ = kernels.row_col_scales(a, rows=True, cols=False)
+    eager_rs, _ = _eager_scales(a)
+    assert torch.equal(rs, eager_rs), torch.stack([torch.tensor(maxima), rs[:, 0], eager_rs[:, 0]], 1)
 
 
 @only_interpreted
@@ -74,17 +93,22 @@ def test_maxima_keep_nan_above_inf_as_eager_does(kernels):
     a = torch.randn(4, 8)
     a[1, 2] = float("nan")
     a[2, 3] = float("-inf")
-    row, _ = kernels.row_col_amax(a, rows=True, cols=False)
-    eager = torch.linalg.vector_norm(a, float("inf"), dim=1, keepdim=True)
-    assert torch.equal(row.isnan(), eager.isnan())
-    assert row[2].item() == float("inf")
+    a[1, 3] = float("inf")
+    rs, cs = kernels.row_col_scales(a, rows=True, cols=True)
+    eager_rs, eager_cs = _eager_scales(a)
+    assert torch.equal(rs, eager_rs) and torch.equal(cs, eager_cs)
+    assert rs[1].item() == rs[2].item() == 1.0
 
 
 @only_interpreted
-def test_bf16_maxima(kernels):
+def test_bf16_column_scales(kernels):
     w = torch.randn(1100, 40).bfloat16()  # several programs down the rows
-    _, col = kernels.row_col_amax(w, rows=False, cols=True)
-    assert torch.equal(col, torch.linalg.vector_norm(w, float("inf"), dim=0, keepdim=True).float())
+    w[:, 3] *= 2.0**-60
+    _, cs = kernels.row_col_scales(w, rows=False, cols=True)
+    assert torch.equal(cs, _eager_scales(w)[1])
+    (_, by_col) = kernels.scale_to_fp16(w, None, cs)
+    assert torch.equal(by_col, torch.mul(w, cs).half())
+    assert torch.equal(by_col.float() / cs, w.float())  # exact: bf16 fits fp16 after scaling
 
 
 @only_interpreted
