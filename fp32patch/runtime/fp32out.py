@@ -200,7 +200,7 @@ def fp16_scaled_grads(
     """A linear layer's backward for the fp32 ``grad`` [T, V]: ``grad @ weight`` in
     ``dx_dtype`` (if ``weight`` is given) and ``grad.T @ x`` (if ``x`` is given) in
     ``dw_dtype``, or added into the fp32 ``dw_into`` (then returned), each as
-    ``fp16_scaled_mm`` computes it. ``grad`` is read once for both scalings."""
+    ``fp16_scaled_mm`` computes it."""
     # With the Triton kernels both scalings come from one read of grad; eagerly, one at a
     # time, so that only one fp16 copy of grad is alive at once.
     together = _triton_kernels(grad) is not None
@@ -211,7 +211,7 @@ def fp16_scaled_grads(
         return dx, None
     if by_col is None:
         _, by_col = _fp16_scaled(grad, rows=False, cols=True)
-    col16, col_scale = by_col  # type: ignore[misc]
+    col16, col_scale = by_col
     del by_col
     dw = _scaled_product((col16.t(), col_scale.t()), x, dw_dtype, dw_into)
     return dx, dw
