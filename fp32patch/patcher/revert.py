@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
-from fp32patch.patcher.apply import write_error
 from fp32patch.patcher.locate import LocateError
 from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.plan import (
@@ -24,6 +23,7 @@ from fp32patch.patcher.plan import (
     load_manifest,
     read,
     select_specs,
+    write_error,
 )
 from fp32patch.patcher.plan import (
     roots as find_roots,
