@@ -104,6 +104,21 @@ class Target:
         return self.outcome(Status.NOT_INSTALLED, message=f"{self.spec.target.label} is not in {self.searched}")
 
 
+def entry_outcome(root: Path, env: Path | None, entry: mf.Entry, status: Status, message: str, **kw) -> Outcome:
+    """An outcome told from a manifest entry alone (its spec is not loaded)."""
+    return Outcome(
+        patch=entry.patch,
+        status=status,
+        root=str(root),
+        target=f"{entry.distribution}:{entry.path}",
+        version=entry.version,
+        path=str(root / entry.path),
+        message=message,
+        env=str(env) if env else None,
+        **kw,
+    )
+
+
 def targets(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] = ()) -> list[Target]:
     out = []
     for root, env in roots(given, envs):
