@@ -18,17 +18,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NEMOTRON, tree_digest
-from tests.support.pypi import sdist_file, wheel_file, wheel_members
+from tests.support.pypi import member_files, sdist_file, wheel_file
 
 pytestmark = pytest.mark.network
 
 
 def _members(version: str) -> dict[str, bytes]:
     """The release's nemotron_h.py (if it has one) and dist-info METADATA/RECORD/WHEEL, by archive path."""
-    src = wheel_members("vllm", version, [NEMOTRON])
-    return {
-        p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file() and p.name != ".complete"
-    }
+    return {name: path.read_bytes() for name, path in member_files("vllm", version, [NEMOTRON]).items()}
 
 
 def _relabel(members: dict[str, bytes], old: str, new: str) -> dict[str, bytes]:
