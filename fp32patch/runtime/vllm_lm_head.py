@@ -393,13 +393,15 @@ def note_processor(processor: Any, lm_head: Any, hidden_states: torch.Tensor) ->
 
 
 def native_head_dtype(processor: Any, model_config: Any) -> torch.dtype:
-    """vLLM 0.26+, as ``LogitsProcessor.__init__`` sets ``head_dtype``: float32, so vLLM's own
-    head_dtype path computes the logits. A float32 ``head_dtype`` from ``hf_overrides`` is
-    kept as it is; any other explicit one is overridden, with a log line."""
+    """vLLM 0.26+, as ``LogitsProcessor.__init__`` sets ``head_dtype``: float32 for ``1``, so
+    vLLM's own head_dtype path computes the logits. A float32 ``head_dtype`` from
+    ``hf_overrides`` is kept as it is; any other explicit one is overridden, with a log
+    line. A named way (``fp32out``, ``copy``) keeps vLLM's head_dtype and is done by
+    :func:`apply_head`, as on older releases."""
     import torch
 
     current = processor.head_dtype
-    if current == torch.float32:
+    if current == torch.float32 or requested_way() != "auto":
         return current
     explicit = getattr(getattr(model_config, "hf_config", None), "head_dtype", None)
     if explicit is not None:
