@@ -172,3 +172,23 @@ def test_both_vllm_patches_in_one_root(version, tmp_path, cli):
     assert code == 0 and out["ok"]
     assert cli("revert", "-s", root).exit_code == 0
     assert {m: (root / m).read_bytes() for m in originals} == originals
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])
+def test_a_logits_processor_reading_the_variable_itself_is_obsolete(version, tmp_path, cli):
+    root = import_root_from_members("vllm", version, [LOGITS_PROCESSOR], tmp_path / "site-packages")
+    target = root / LOGITS_PROCESSOR
+    text = target.read_text()
+    anchor = "        self.use_all_gather = current_platform.use_all_gather()\n"
+    assert text.count(anchor) == 1
+
+    def status() -> str:
+        code, out = cli.json("apply", "-s", root, "--dry-run")
+        assert code == 0, out
+        return next(p["status"] for p in out["patches"] if p["id"] == "vllm-fp32-logits")
+
+    target.write_text(text.replace(anchor, anchor + "        # NRL_VLLM_FP32_LM_HEAD is read by fp32patch\n"))
+    assert status() == "would-apply"  # a comment is no fix
+    fix = '        self.fp32 = __import__("os").environ.get("NRL_VLLM_FP32_LM_HEAD")\n'
+    target.write_text(text.replace(anchor, anchor + fix))
+    assert status() == "obsolete"
