@@ -334,3 +334,18 @@ def test_describe_reports_the_way_before_the_first_logits(vllm_runtime, env):
     env("1")
     [on] = vllm_lm_head.describe(build(vllm_runtime, "gemma2"))
     assert on["way"] == _expected_way("1") and on["reason"]
+
+
+def test_the_variable_overrides_another_explicit_head_dtype_with_a_log_line(vllm_runtime, env, decisions):
+    from fp32patch.runtime import vllm_lm_head
+
+    if not _native():
+        pytest.skip("this vLLM predates head_dtype (0.26)")
+    env("1")
+    model = build(vllm_runtime, "qwen2", head_dtype="model")
+    assert any("overrides hf_overrides head_dtype=model" in r.getMessage() for r in decisions)
+    h = hidden()
+    logits = model.compute_logits(h)
+    assert logits.dtype == torch.float32
+    assert tiny.rel_err(logits, tiny.family_reference(h, model, tiny.FAMILIES["qwen2"])) < 1e-5
+    assert vllm_lm_head.describe(model)[0]["way"] == "native"
