@@ -95,7 +95,7 @@ def _is_head(module: Any) -> bool:
     return module is not None and hasattr(module, "quant_method") and hasattr(module, "weight")
 
 
-def head_of(owner: Any) -> Any:
+def _head_of(owner: Any) -> Any:
     """The head ``owner`` hands its ``logits_processor``: the one the processor last ran,
     else ``lm_head``, ``embed_out``, ``output`` or ``model.embed_tokens``; None if none."""
     processor = getattr(owner, "logits_processor", None)
@@ -117,7 +117,7 @@ def _has_head(module: Any) -> bool:
         return False
     if getattr(module, "lm_head", None) is not None:
         return True
-    return head_of(module) is not None
+    return _head_of(module) is not None
 
 
 def resolve_heads(model: Any) -> list[Any]:
@@ -438,7 +438,7 @@ def apply_head(processor: Any, lm_head: Any, hidden_states: torch.Tensor, embedd
 
 
 def _heads(model: Any) -> list[tuple[Any, Any]]:
-    return [(owner, head_of(owner) or owner.lm_head) for owner in resolve_heads(model)]
+    return [(owner, _head_of(owner) or owner.lm_head) for owner in resolve_heads(model)]
 
 
 def mark_dirty(model: Any) -> None:
