@@ -411,7 +411,7 @@ def _nemotron_mutations(spec: Spec) -> list[Mutation]:
 # ---------------------------------------------------------------- vllm-fp32-logits on vLLM's file
 
 
-LP_CLASS, LP_GATE = "LogitsProcessor", "_fp32patch_vllm_logits_runtime"
+LP_CLASS, LP_GATE = "LogitsProcessor", "_fp32patch_lm_head_runtime"
 GEMM = "logits = lm_head.quant_method.apply(lm_head, hidden_states, bias=embedding_bias)"
 # the functions each variant edits: (the head route's, the processor-way's)
 LP_FUNCS = {"head-gemm": ("_get_logits", "forward"), "native-head-dtype": ("_apply_head", "__init__")}

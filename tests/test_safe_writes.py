@@ -138,7 +138,7 @@ def test_failed_write_rolls_back_everything(tmp_path, monkeypatch):
         return real(path, data, **kw)
 
     monkeypatch.setattr(transaction, "atomic_write", flaky)
-    writes = [Write(rel, data, b"y" + data, None) for rel, data in files.items()]
+    writes = [Write(rel, data, b"y" + data, []) for rel, data in files.items()]
     tx = Transaction(root)
     with tx.state.lock(), pytest.raises(OSError, match="No space"):
         tx.commit(writes, Manifest())

@@ -68,7 +68,7 @@ def _check_nemotron(version: str, patched: bytes) -> str:
 def _check_logits(version: str, patched: bytes) -> str:
     tree = ast.parse(patched)
     lines = lambda func: [ast.unparse(s) for s in func.body]  # noqa: E731
-    gate = "_fp32patch_runtime = _fp32patch_vllm_logits_runtime()"
+    gate = "_fp32patch_runtime = _fp32patch_lm_head_runtime()"
     if _release(version) < (0, 26):
         # the head is swapped just before vLLM's own GEMM, which stays where it was, once
         body = lines(_method(tree, "LogitsProcessor", "_get_logits"))

@@ -467,10 +467,9 @@ def sync(model: Any) -> int:
     return rebuilt
 
 
-_GATES = {
-    "nemotron-h-fp32-lm-head": "_fp32patch_lm_head_runtime",
-    "vllm-fp32-logits": "_fp32patch_vllm_logits_runtime",
-}
+# the gate both vLLM patches insert (fp32patch/patches/snippets/vllm_gate.py): in the
+# model's module it is NemotronH's patch, in the logits processor's module the generic one
+_GATE = "_fp32patch_lm_head_runtime"
 
 
 def _patched_by(owner: Any, processor: Any) -> str | None:
@@ -479,7 +478,7 @@ def _patched_by(owner: Any, processor: Any) -> str | None:
 
     for patch, cls in (("nemotron-h-fp32-lm-head", type(owner)), ("vllm-fp32-logits", type(_processor(processor)))):
         module = sys.modules.get(cls.__module__)
-        if module is not None and _GATES[patch] in vars(module):
+        if module is not None and _GATE in vars(module):
             return patch
     return None
 

@@ -76,7 +76,7 @@ def stock_processor_class():
         spec.loader.exec_module(module)
     finally:
         registry["logits_processor"] = kept
-    assert not hasattr(module, "_fp32patch_vllm_logits_runtime")
+    assert not hasattr(module, "_fp32patch_lm_head_runtime")
     return module.LogitsProcessor
 
 
@@ -105,7 +105,7 @@ def test_the_patched_file_is_what_vllm_imports():
     import vllm.model_executor.layers.logits_processor as module
 
     assert module.__file__ == str(PATCHED_ROOT / LOGITS)
-    assert hasattr(module, "_fp32patch_vllm_logits_runtime")
+    assert hasattr(module, "_fp32patch_lm_head_runtime")
 
 
 @pytest.mark.parametrize("value", [None, "0"])
