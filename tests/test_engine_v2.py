@@ -143,7 +143,7 @@ def test_inserted_code_using_an_undefined_name_is_refused(tmp_path, cli):
 def test_a_gate_edit_of_the_same_spec_is_suggested(tmp_path):
     spec_text = (SHIPPED / "nemotron-h-fp32-lm-head.toml").read_text()
     folder = tmp_path / "one"
-    folder.mkdir()
+    shutil.copytree(SHIPPED / "snippets", folder / "snippets")
     # the same spec with its gate edit left out in a variant: the refusal points at it
     (folder / "s.toml").write_text(
         spec_text.replace(
@@ -287,7 +287,7 @@ def test_a_misspelt_scope_gets_did_you_mean(tmp_path):
         .replace('scope = "NemotronHForCausalLM.load_weights"', 'scope = "NemotronHForCausalLM.load_weight"')
     )
     folder = tmp_path / "s"
-    folder.mkdir()
+    shutil.copytree(SHIPPED / "snippets", folder / "snippets")
     (folder / "s.toml").write_text(text)
     result = transform(load_specs(folder)[0], (_root(tmp_path) / NEMOTRON).read_bytes(), version="0.25.1")
     assert result.status == "anchor-missing"
