@@ -18,11 +18,17 @@ them: one side alone makes the train/generation mismatch worse. So
 The vLLM value is read as NeMo-RL passes it to the workers: ``str()`` of the YAML value
 in ``generation.vllm_cfg.env_vars`` (so ``1`` and ``0`` work, while YAML ``true`` becomes
 "True" and is refused), else the driver's environment, which NeMo-RL copies into
-workers that the config does not override. Missing sections are empty. Pure Python.
+workers that the config does not override. Missing sections are empty.
+
+A key that looks like one of the switches but is not spelled as it (``fp32_lm_heads``,
+``fp32LmHead`` or ``fp32_lm_head`` one level too high under ``megatron_cfg``; a misspelt
+``NRL_VLLM_FP32_LM_HEAD`` in ``env_vars``) is an error naming the right key: NeMo-RL keeps
+unknown keys without a word, so a near miss would silently mean "off". Pure Python.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,6 +74,7 @@ def validate_fp32_lm_head_config(
     """
     cfg, prefix = _policy(cfg)
     megatron = _section(cfg, "megatron_cfg", prefix)
+    _refuse_near_misses(cfg, megatron, prefix)
     mode = _megatron_mode(megatron, prefix)
     if mode is not None:
         _check_megatron_applies(megatron, prefix)
@@ -148,6 +155,56 @@ def _check_megatron_applies(megatron: Mapping[str, Any], prefix: str) -> None:
             "output weight directly, so the fp32 output layer would never run. Set "
             f"{key}.use_fused_linear_logprobs to false, or {key}.fp32_lm_head to false"
         )
+
+
+MEGATRON_KEY = "fp32_lm_head"
+# How close (difflib ratio of the normalised spellings) a key must come to count as a near miss.
+_CLOSENESS = 0.85
+
+
+def _normalised(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "").replace(" ", "")
+
+
+def _near_miss(key: object, right: str) -> bool:
+    """``key`` looks like ``right`` but is not it: another case or separator, a letter more or
+    less, or any spelling with "fp32", "lm" and "head" in it (NeMo-RL's patched files take a
+    megatron_cfg key starting "fp32" with "lm" and "head" in it as asking for fp32patch)."""
+    if not isinstance(key, str) or key == right:
+        return False
+    got, want = _normalised(key), _normalised(right)
+    if got == want:
+        return True
+    if "fp32" in got and "lm" in got and "head" in got:
+        return True
+    return difflib.SequenceMatcher(None, got, want).ratio() >= _CLOSENESS
+
+
+def _refuse_near_misses(policy: Mapping[str, Any], megatron: Mapping[str, Any], prefix: str) -> None:
+    right = f"{prefix}megatron_cfg.{MEGATRON_KEY}"
+    for key in megatron:
+        if _near_miss(key, MEGATRON_KEY):
+            raise Fp32LmHeadConfigError(
+                f"{prefix}megatron_cfg.{key} is not a key fp32patch or NeMo-RL reads: did you mean "
+                f"{right}? NeMo-RL keeps unknown keys without a word, so this one would leave "
+                f"Megatron's logits in bf16. Rename it to {right} (valid values: {MEGATRON_VALUES_TEXT})"
+            )
+    for key in policy:
+        if key == MEGATRON_KEY or _near_miss(key, MEGATRON_KEY):
+            raise Fp32LmHeadConfigError(
+                f"{prefix}{key} is in the wrong place: the switch is {right} (under megatron_cfg), "
+                "and NeMo-RL ignores this key without a word"
+            )
+    generation = policy.get("generation")
+    vllm_cfg = generation.get("vllm_cfg") if isinstance(generation, Mapping) else None
+    env_vars = vllm_cfg.get("env_vars") if isinstance(vllm_cfg, Mapping) else None
+    for key in env_vars if isinstance(env_vars, Mapping) else ():
+        if _near_miss(key, VLLM_ENV_VAR):
+            raise Fp32LmHeadConfigError(
+                f"{prefix}generation.vllm_cfg.env_vars.{key} is not the variable vLLM's patched "
+                f"files read: did you mean {VLLM_ENV_VAR}? Rename it to "
+                f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
+            )
 
 
 def _vllm_value(generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]) -> tuple[str | None, str]:
