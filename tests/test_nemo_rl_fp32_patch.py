@@ -48,9 +48,9 @@ BACKEND = "nemo_rl/models/generation/vllm/vllm_backend.py"
 FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES]
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 
-pytestmark = pytest.mark.skipif(
-    not (resources.files("fp32patch.patches") / f"{PATCH_ID}.toml").is_file(),
-    reason="the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)",
+ENGINE_V2 = (resources.files("fp32patch.patches") / f"{PATCH_ID}.toml").is_file()
+needs_engine = pytest.mark.skipif(
+    not ENGINE_V2, reason="the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)"
 )
 
 
@@ -80,6 +80,7 @@ SHAPE_IDS = [f"{s.date}-{s.name}" for s in SHAPES]
 # ---------------------------------------------------------------- the CLI, shape by shape
 
 
+@needs_engine
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_apply_verify_revert_reapply_on_every_shape(tmp_path, shape):
     root = checkout(shape.name, tmp_path / "nemo-rl")
@@ -116,6 +117,7 @@ def test_apply_verify_revert_reapply_on_every_shape(tmp_path, shape):
     assert _sources(root) == patched  # the same edits again, byte for byte
 
 
+@needs_engine
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_each_shape_gets_its_own_variant(tmp_path, shape):
     root = checkout(shape.name, tmp_path / "nemo-rl")
@@ -125,6 +127,7 @@ def test_each_shape_gets_its_own_variant(tmp_path, shape):
     assert shape.variant in repr(out), out
 
 
+@needs_engine
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[-1]], ids=[SHAPE_IDS[0], SHAPE_IDS[-1]])
 def test_together_with_the_context_length_patch(tmp_path, shape):
     # both NeMo-RL patches edit vllm_worker_async.py: one chain, applied and reverted together
@@ -150,6 +153,7 @@ def test_together_with_the_context_length_patch(tmp_path, shape):
     assert _sources(root) == before
 
 
+@needs_engine
 def test_upstream_merged_is_obsolete_and_nothing_is_written(tmp_path):
     root = checkout(MERGED.name, tmp_path / "nemo-rl")
     before = _sources(root)
@@ -197,6 +201,7 @@ MUTATIONS = {
 }
 
 
+@needs_engine
 @pytest.mark.parametrize("edit", MUTATIONS)
 def test_a_moved_anchor_exits_3_naming_it_and_writes_nothing(tmp_path, edit):
     mutate, named = MUTATIONS[edit]
@@ -210,6 +215,7 @@ def test_a_moved_anchor_exits_3_naming_it_and_writes_nothing(tmp_path, edit):
     assert _sources(root) == before
 
 
+@needs_engine
 def test_a_missing_second_file_is_named(tmp_path):
     root = checkout(SHAPES[0].name, tmp_path / "nemo-rl")
     (root / POLICY).unlink()
@@ -220,6 +226,7 @@ def test_a_missing_second_file_is_named(tmp_path):
     assert _sources(root) == before
 
 
+@needs_engine
 def test_without_megatron_setup_nemo_rl_is_not_installed(tmp_path):
     root = checkout(SHAPES[0].name, tmp_path / "nemo-rl")
     (root / SETUP).unlink()
@@ -238,6 +245,8 @@ needs_runtime = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def patched_roots(tmp_path_factory) -> dict[str, Path]:
     """Every shape, patched once by the CLI, for the tests that import and run it."""
+    if not ENGINE_V2:
+        pytest.skip("the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)")
     roots = {}
     for shape in SHAPES:
         root = checkout(shape.name, tmp_path_factory.mktemp(shape.name))
@@ -781,12 +790,14 @@ def test_the_variable_joins_vllms_executor_line(tmp_path, patched_roots, shape, 
     namespace: dict = {}
     exec(line, namespace)  # the rewritten line is still Python, and a set of names
     assert VAR in namespace["ADDITIONAL_ENV_VARS"]
-    assert set(extra) <= namespace["ADDITIONAL_ENV_VARS"]
+    if shape is not SHAPES[-1]:  # the January line was a literal: no extra names yet
+        assert set(extra) <= namespace["ADDITIONAL_ENV_VARS"]
 
 
 # ---------------------------------------------------------------- a real NeMo-RL checkout
 
 
+@needs_engine
 @pytest.mark.skipif(
     not os.environ.get("FP32PATCH_NEMO_RL_CHECKOUT"),
     reason="set FP32PATCH_NEMO_RL_CHECKOUT to a NeMo-RL checkout (nemo_rl/ and pyproject.toml) to try the spec on it",
@@ -828,5 +839,5 @@ def test_fixture_shapes_are_what_their_names_say():
     newest, oldest = files_at(SHAPES[0].name), files_at(SHAPES[-1].name)
     assert "def build_inference_model" in newest[SETUP] and "def build_inference_model" not in oldest[SETUP]
     assert PATCHES in newest and PATCHES not in oldest
-    assert "load_and_start" not in oldest[GENERATION]
+    assert "def load_and_start" in newest[GENERATION] and "def load_and_start" not in oldest[GENERATION]
     assert textwrap.dedent("class VllmAsyncGenerationWorker:") in oldest[ASYNC_WORKER]
