@@ -1,7 +1,9 @@
 """The ``fp32patch`` command: parse, call the engine, render. Nothing else lives here.
 
-Results go to stdout (tables, diffs, or one JSON object with ``--json``); diagnostics go
-to stderr. Colour follows the terminal and ``NO_COLOR``. Exit codes: 0 success, 1 verify
+Results go to stdout (tables, or one JSON object with ``--json``; for ``diff``, the patch
+alone); diagnostics go to stderr. Colour follows the terminal and ``NO_COLOR``. Only the
+commands that transform import libcst (through the engine), so ``verify``, ``status``,
+``list`` and ``--version`` start fast. Exit codes: 0 success, 1 verify
 found a problem, 2 bad usage or input (nothing written), 3 a patch cannot be applied
 (nothing written).
 """
@@ -16,12 +18,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.syntax import Syntax
 from rich.table import Table
 
 from fp32patch import __version__
-from fp32patch.patcher import engine
-from fp32patch.patcher.spec import SpecError
+from fp32patch.patcher.report import EXIT_USAGE, Outcome, Report, UsageError
 
 app = typer.Typer(
     name="fp32patch",
@@ -30,6 +30,24 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _flags_take_no_value() -> None:
+    """typer 0.2x prints a type beside every option (`<bool>` on a flag, `--help` included); a flag has none."""
+    from typer import core
+
+    shown = getattr(core.TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_fp32patch", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich._fp32patch = True  # type: ignore[attr-defined]
+    core.TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 # Piped output is read by people in CI logs and by tools: give tables room, keep diffs raw.
@@ -45,6 +63,7 @@ SitePackages = Annotated[
         help="An import root (site-packages, a `pip install --target` folder, a source checkout). "
         "Repeatable. Default: this interpreter's site-packages.",
         show_default=False,
+        metavar="DIR",
     ),
 ]
 Envs = Annotated[
@@ -54,17 +73,23 @@ Envs = Annotated[
         help="A folder holding Python environments (venv, virtualenv, uv, conda; e.g. Ray's runtime_resources): "
         "every environment under it is an import root, reported one by one. Repeatable; adds to -s.",
         show_default=False,
+        metavar="DIR",
     ),
 ]
 PatchIds = Annotated[
     list[str] | None,
-    typer.Option("--patch", "-p", help="Only this patch id (repeatable). Default: every patch.", show_default=False),
+    typer.Option(
+        "--patch", "-p", help="Only this patch id (repeatable). Default: every patch.", show_default=False, metavar="ID"
+    ),
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.", show_default=False)]
 Specs = Annotated[
     Path | None,
     typer.Option(
-        "--specs", help="Load specs from this folder instead of the ones shipped with fp32patch.", show_default=False
+        "--specs",
+        help="Load specs from this folder instead of the ones shipped with fp32patch.",
+        show_default=False,
+        metavar="DIR",
     ),
 ]
 
@@ -91,31 +116,35 @@ def _status_cell(status: str) -> str:
 
 def _print_diff(text: str) -> None:
     if out.is_terminal and not out.no_color:
+        from rich.syntax import Syntax
+
         out.print(Syntax(text, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
     else:  # byte-exact, so `fp32patch diff > change.patch` is a patch
         out.file.write(text)
         out.file.flush()
 
 
-def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False, envs: list[Path] | None = None) -> None:
+def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: list[Path] | None = None) -> None:
+    """Tables and messages; with ``show_diff`` (``diff``) stdout holds the patch alone and the rest goes to stderr."""
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
+        table = err if show_diff else out
         candidate = report.extra.get("candidate")
         if candidate:
             release = " ".join(str(candidate[k]) for k in ("distribution", "version") if candidate.get(k))
-            out.print(f"checking {release or 'a folder'} ({candidate['kind']} {candidate['path']})", soft_wrap=True)
+            table.print(f"checking {release or 'a folder'} ({candidate['kind']} {candidate['path']})", soft_wrap=True)
         bases = [Path(e).absolute() for e in envs or []]
         if bases:
-            out.print("environments under " + ", ".join(map(str, bases)), soft_wrap=True)
+            table.print("environments under " + ", ".join(map(str, bases)), soft_wrap=True)
         if report.outcomes:
-            out.print(_table(report.outcomes, bases))
+            table.print(_table(report.outcomes, bases))
         roots = report.by_root()
         if len(roots) > 1:  # many environments: the totals, so a long table need not be read to the end
             totals: dict[str, int] = {}
             for o in report.outcomes:
                 totals[o.status] = totals.get(o.status, 0) + 1
-            out.print(f"{len(roots)} import roots: " + ", ".join(f"{n} {s}" for s, n in totals.items()))
+            table.print(f"{len(roots)} import roots: " + ", ".join(f"{n} {s}" for s, n in totals.items()))
         for o in report.outcomes:
             # quiet statuses speak up when they are the problem (check: the file is gone upstream)
             loud = (
@@ -125,7 +154,7 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False, en
             )
             if o.message and loud:
                 where = f" in {o.root}" if len(roots) > 1 else ""
-                (out if o.status in _GOOD else err).print(
+                (table if o.status in _GOOD else err).print(
                     f"[bold]{o.patch}[/] ({o.status}){where}: {o.message}", soft_wrap=True
                 )
             if show_diff and o.diff:
@@ -135,7 +164,7 @@ def _render(report: engine.Report, *, as_json: bool, show_diff: bool = False, en
     raise typer.Exit(report.exit_code)
 
 
-def _label(o: engine.Outcome, bases: list[Path]) -> str:
+def _label(o: Outcome, bases: list[Path]) -> str:
     """How a root is named in a grouped table: an environment relative to its --envs folder."""
     if o.status == "not-installed" and os.pathsep in o.root:
         return f"(none of {o.root.count(os.pathsep) + 1} roots)"
@@ -145,7 +174,7 @@ def _label(o: engine.Outcome, bases: list[Path]) -> str:
     return o.env or o.root
 
 
-def _table(outcomes: list[engine.Outcome], bases: list[Path]) -> Table:
+def _table(outcomes: list[Outcome], bases: list[Path]) -> Table:
     """One row per patch and root; with several roots, grouped by root, file paths relative to it."""
     roots = list(dict.fromkeys(o.root for o in outcomes))
     grouped = len(roots) > 1
@@ -161,20 +190,22 @@ def _table(outcomes: list[engine.Outcome], bases: list[Path]) -> Table:
                 where = o.path[len(root) + 1 :]
             else:
                 where = o.path or (o.target if grouped else f"{o.target} (looked in {o.root})")
-            cells = [o.patch, _status_cell(o.status), o.version or "-", where]
+            cells = [o.patch, _status_cell(str(o.status)), o.version or "-", where]
             label = _label(o, bases) if i == 0 else ""
             table.add_row(*([label] if grouped else []), *cells, end_section=grouped and i == len(rows) - 1)
     return table
 
 
 def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) -> None:
+    from fp32patch.patcher.spec import SpecError
+
     try:
         report = fn(*args, **kwargs)
-    except (engine.UsageError, SpecError) as exc:
+    except (UsageError, SpecError) as exc:
         if as_json:
             print(json.dumps({"ok": False, "error": str(exc), "patches": []}, indent=2))
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(engine.EXIT_USAGE) from None
+        raise typer.Exit(EXIT_USAGE) from None
     _render(report, as_json=as_json, show_diff=show_diff, envs=kwargs.get("envs") or [])
 
 
@@ -188,8 +219,10 @@ def apply(
     specs: Specs = None,
 ) -> None:
     """Apply the patches (all or none per import root; exit 3 and nothing written if an anchor is off)."""
+    from fp32patch.patcher.apply import apply as apply_patches
+
     _run(
-        engine.apply,
+        apply_patches,
         patch or [],
         site_packages or [],
         dry_run=dry_run,
@@ -202,8 +235,10 @@ def apply(
 
 def _status(command: str, site_packages, envs, patch, as_json: bool, specs) -> None:
     """verify and status share the engine's verdicts; only verify fails on a bad one."""
+    from fp32patch.patcher.status import status as patch_status
+
     kwargs = {"spec_dir": specs, "command": command, "envs": envs or [], "as_json": as_json}
-    _run(engine.status, patch or [], site_packages or [], **kwargs)
+    _run(patch_status, patch or [], site_packages or [], **kwargs)
 
 
 @app.command()
@@ -242,7 +277,11 @@ def revert(
     specs: Specs = None,
 ) -> None:
     """Restore the exact original bytes of patched files (sha256-checked)."""
-    _run(engine.revert, patch or [], site_packages or [], force=force, spec_dir=specs, envs=envs or [], as_json=as_json)
+    from fp32patch.patcher.revert import revert as revert_patches
+
+    _run(
+        revert_patches, patch or [], site_packages or [], force=force, spec_dir=specs, envs=envs or [], as_json=as_json
+    )
 
 
 @app.command()
@@ -253,10 +292,10 @@ def diff(
     as_json: Json = False,
     specs: Specs = None,
 ) -> None:
-    """Show each patch as a unified diff: the change it would make, or the one it made."""
-    _run(
-        engine.diff, patch or [], site_packages or [], spec_dir=specs, envs=envs or [], as_json=as_json, show_diff=True
-    )
+    """Show each patch as a unified diff: the change it would make, or the one it made (stdout: the patch only)."""
+    from fp32patch.patcher.diff import diff as patch_diff
+
+    _run(patch_diff, patch or [], site_packages or [], spec_dir=specs, envs=envs or [], as_json=as_json, show_diff=True)
 
 
 @app.command()
@@ -268,6 +307,7 @@ def check(
             help="The candidate release: a wheel (*.whl), an sdist (*.tar.gz, *.zip) or a folder "
             "(import root, source checkout, unpacked sdist).",
             show_default=False,
+            metavar="WHEEL|SDIST|DIR",
         ),
     ],
     patch: PatchIds = None,
@@ -283,17 +323,20 @@ def check(
 @app.command(name="list")
 def list_(as_json: Json = False, specs: Specs = None) -> None:
     """List the patches this fp32patch carries."""
+    from fp32patch.patcher.plan import select_specs
+
     try:
-        loaded = engine.spec_table(specs)
-    except engine.UsageError as exc:
+        loaded = select_specs([], specs)
+    except UsageError as exc:
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(engine.EXIT_USAGE) from None
+        raise typer.Exit(EXIT_USAGE) from None
     if as_json:
         rows = [
             {
                 "id": s.id,
                 "summary": s.summary,
                 "target": f"{s.target.distribution}:{s.target.path}",
+                "files": s.target.paths,
                 "versions": str(s.target.versions),
                 "variants": [{"name": v.name, "versions": str(v.versions)} for v in s.variants],
                 "sha256": s.sha256,
@@ -306,8 +349,37 @@ def list_(as_json: Json = False, specs: Specs = None) -> None:
     for column in ("patch", "target", "versions", "summary"):
         table.add_column(column, overflow="fold")
     for s in loaded:
-        table.add_row(s.id, f"{s.target.distribution}:{s.target.path}", str(s.target.versions) or "any", s.summary)
+        files = "\n".join(s.target.paths)
+        table.add_row(s.id, f"{s.target.distribution}:{files}", str(s.target.versions) or "any", s.summary)
     out.print(table)
+
+
+@app.command()
+def ops(as_json: Json = False) -> None:
+    """List the operations a spec's edits can use, with their fields."""
+    from fp32patch.patcher.vocabulary import EDIT_FIELDS, OPERATIONS
+
+    common = ("id", "op", "file", "code", "code_file", "count", "skip_when")
+    if as_json:
+        rows = [
+            {"name": op.name, "description": op.description, "fields": [*common, *op.fields]}
+            for op in OPERATIONS.values()
+        ]
+        print(json.dumps({"ok": True, "operations": rows, "fields": EDIT_FIELDS}, indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("operation", "what it does", "anchor fields"):
+        table.add_column(column, overflow="fold")
+    for op in OPERATIONS.values():
+        table.add_row(op.name, op.description, ", ".join(op.fields) or "-")
+    out.print(table)
+    out.print(f"\nEvery edit has: {', '.join(common)}.\n")
+    fields = Table(show_edge=False, pad_edge=False)
+    for column in ("field", "meaning"):
+        fields.add_column(column, overflow="fold")
+    for name, meaning in EDIT_FIELDS.items():
+        fields.add_row(name, meaning)
+    out.print(fields)
 
 
 def _version(value: bool) -> None:

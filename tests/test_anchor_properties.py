@@ -28,8 +28,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp32patch.patcher.spec import Spec, load_specs
-from fp32patch.patcher.transform import ERRORS, transform
+from fp32patch.patcher.model import REFUSALS as ERRORS
+from fp32patch.patcher.model import Spec
+from fp32patch.patcher.spec import load_specs
+from fp32patch.patcher.transform import transform
 from tests.conftest import NEMOTRON
 from tests.support.pypi import wheel_members
 

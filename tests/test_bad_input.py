@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from fp32patch.patcher import atomic, engine
+from fp32patch.patcher import atomic
+from fp32patch.patcher.apply import apply as apply_patches
 from tests.conftest import NEMOTRON, tree_digest
 from tests.support.pypi import import_root_from_members
 
@@ -41,7 +42,7 @@ def pristine(tmp_path_factory) -> Path:
 def patched(pristine, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("patched") / "sp"
     shutil.copytree(pristine, root)
-    assert engine.apply([], [root]).ok
+    assert apply_patches([], [root]).ok
     return root
 
 
@@ -61,7 +62,7 @@ def _rewrite_manifest(root: Path, change: Callable[[dict], None]) -> None:
 
 
 def _shipped_spec() -> str:
-    return (Path(engine.__file__).parent.parent / "patches" / "nemotron-h-fp32-lm-head.toml").read_text()
+    return (Path(atomic.__file__).parent.parent / "patches" / "nemotron-h-fp32-lm-head.toml").read_text()
 
 
 def _spec_dir(tmp: Path, text: str) -> Path:
@@ -462,7 +463,7 @@ def test_modes_of_state_under_umasks(pristine, tmp_path):
             os.chmod(root, root_mode)
             old = os.umask(umask)
             try:
-                assert engine.apply([], [root]).ok
+                assert apply_patches([], [root]).ok
             finally:
                 os.umask(old)
             ceiling = root_mode & ~umask

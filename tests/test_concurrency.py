@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fp32patch.patcher import engine
+from fp32patch.patcher.apply import apply as apply_patches
 from fp32patch.patcher.state import StateDir
 from fp32patch.patcher.transaction import record_hash
 from tests.conftest import NEMOTRON
@@ -76,7 +76,7 @@ def forms(root, tmp_path) -> dict[str, bytes]:
 
     other = tmp_path / "reference"
     shutil.copytree(root, other)
-    assert engine.apply([], [other]).ok
+    assert apply_patches([], [other]).ok
     return {"original": (root / NEMOTRON).read_bytes(), "patched": (other / NEMOTRON).read_bytes()}
 
 
@@ -122,7 +122,7 @@ def test_another_process_wins_between_plan_and_lock(root, forms, monkeypatch):
         return real_lock(self)
 
     monkeypatch.setattr(StateDir, "lock", lock_after_a_rival)
-    report = engine.apply([], [root])
+    report = apply_patches([], [root])
     assert raced == [0]  # the rival patched the file after our plan said "applied"
     assert report.ok and [o.status for o in report.outcomes if o.patch == NEMOTRON_ID] == ["already-applied"]
     assert (root / NEMOTRON).read_bytes() == forms["patched"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fp32patch.patcher import engine
+from fp32patch.patcher.apply import apply as apply_patches
 from fp32patch.patcher.spec import load_specs
 from tests.conftest import NEMOTRON, tree_digest
 from tests.support.pypi import import_root_from_members
@@ -37,7 +37,7 @@ def pristine(tmp_path_factory) -> Path:
 def patched(pristine, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("patched") / "sp"
     shutil.copytree(pristine, root)
-    assert engine.apply([], [root]).ok
+    assert apply_patches([], [root]).ok
     return root
 
 

@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp32patch.patcher.candidate import CandidateError, matches, read_candidate
-from fp32patch.patcher.engine import EXIT_OK, EXIT_REFUSED, Outcome, Report, UsageError, select_specs
 from fp32patch.patcher.locate import LocateError, checkout_names, find_distribution, locate, normalize
-from fp32patch.patcher.spec import Spec
-from fp32patch.patcher.transform import ERRORS, transform
+from fp32patch.patcher.model import Spec, Status
+from fp32patch.patcher.plan import select_specs
+from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, Outcome, Report, UsageError
+from fp32patch.patcher.transform import transform
 
 
 @dataclass
 class _Found:
     spec: Spec
-    data: bytes | None  # None: the candidate is the distribution but lacks the file
+    data: dict[str, bytes | None] | None  # path -> bytes; None: the candidate is the distribution but lacks the file
     where: str | None
     version: str | None
 
@@ -36,12 +37,17 @@ def check(candidate: Path, ids: Sequence[str] = (), *, spec_dir: Path | None = N
         found, info = _folder(candidate, specs)
     else:
         try:
-            release = read_candidate(candidate, [s.target.path for s in specs])
+            release = read_candidate(candidate, [p for s in specs for p in s.target.paths])
         except CandidateError as exc:
             raise UsageError(f"--against {exc}") from None
         info = release.to_json()
         found = [
-            _Found(s, release.files.get(s.target.path), release.members.get(s.target.path), release.version)
+            _Found(
+                s,
+                {p: release.files.get(p) for p in s.target.paths} if s.target.path in release.files else None,
+                release.members.get(s.target.path),
+                release.version,
+            )
             for s in specs
             if matches(release, s.target.distribution)
         ]
@@ -51,7 +57,7 @@ def check(candidate: Path, ids: Sequence[str] = (), *, spec_dir: Path | None = N
         raise UsageError(f"--against {candidate}: no patch targets {what} (the patches target: {targets})")
 
     outcomes = [_outcome(f, candidate) for f in found]
-    bad = any(o.status in ERRORS or o.status == "not-installed" for o in outcomes)
+    bad = any(Status(str(o.status)).refused or o.status == Status.NOT_INSTALLED for o in outcomes)
     notes = ["nothing was installed, extracted or written"]
     return Report("check", outcomes, EXIT_REFUSED if bad else EXIT_OK, notes=notes, extra={"candidate": info})
 
@@ -61,7 +67,7 @@ def _outcome(f: _Found, candidate: Path) -> Outcome:
     common = dict(
         patch=spec.id,
         root=str(candidate),
-        target=f"{spec.target.distribution}:{spec.target.path}",
+        target=spec.target.label,
         version=f.version,
         path=f.where,
     )
@@ -71,14 +77,14 @@ def _outcome(f: _Found, candidate: Path) -> Outcome:
             f"{release} has no {spec.target.path}: the file this patch edits moved or was removed upstream; "
             "the patch needs a new spec before this upgrade"
         )
-        return Outcome(status="not-installed", message=message, **common)
-    result = transform(spec, f.data, path=spec.target.path, version=f.version)
+        return Outcome(status=Status.NOT_INSTALLED, message=message, **common)
+    result = transform(spec, f.data, version=f.version)
     details = {"edits": result.edits, "skipped": result.skipped}
-    if result.status == "applied":
+    if result.status == Status.APPLIED:
         message = f"{len(result.edits)} edit(s) would apply: {', '.join(result.edits)} (variant {result.variant})"
         if result.skipped:
             message += f"; already fixed upstream: {', '.join(result.skipped)}"
-        return Outcome(status="would-apply", variant=result.variant, message=message, details=details, **common)
+        return Outcome(status=Status.WOULD_APPLY, variant=result.variant, message=message, details=details, **common)
     if result.anchor:
         details["anchor"] = result.anchor
     return Outcome(status=result.status, variant=result.variant, message=result.message, details=details, **common)
@@ -98,10 +104,13 @@ def _folder(folder: Path, specs: Sequence[Spec]) -> tuple[list[_Found], dict]:
             if located is not None:
                 break
         if located is not None:
-            try:
-                data = located.path.read_bytes()
-            except OSError as exc:
-                raise UsageError(f"--against {located.path}: cannot read: {exc.strerror}") from None
+            data: dict[str, bytes | None] = {}
+            for rel in spec.target.paths:
+                path = located.root / rel
+                try:
+                    data[rel] = path.read_bytes() if path.is_file() else None
+                except OSError as exc:
+                    raise UsageError(f"--against {path}: cannot read: {exc.strerror}") from None
             found.append(_Found(spec, data, str(located.path), located.version))
             continue
         # the folder is this distribution (by its metadata) but the file is not there

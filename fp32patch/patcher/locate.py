@@ -19,7 +19,7 @@ from email.parser import HeaderParser
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from fp32patch.patcher.spec import Spec
+from fp32patch.patcher.model import Spec
 
 
 class LocateError(ValueError):
@@ -58,6 +58,11 @@ class Located:
     @property
     def version(self) -> str | None:
         return self.distribution.version if self.distribution else None
+
+    @property
+    def relpaths(self) -> list[str]:
+        """Every file of the spec, relative to ``root`` (the first is ``relpath``)."""
+        return self.spec.target.paths
 
 
 def normalize(name: str) -> str:
@@ -162,6 +167,16 @@ def inside(root: Path, path: Path) -> bool:
     return True
 
 
+def _check_inside(base: Path, target: Path) -> None:
+    if (target.is_file() or target.is_symlink()) and not inside(base, target):
+        # the file itself, or a folder on the way to it, is a symlink leading elsewhere
+        how = "is a symbolic link to" if target.is_symlink() else "leads (through a symlinked folder) to"
+        raise LocateError(
+            f"{target} {how} {os.path.realpath(target)}, outside the import root "
+            f"{base}; fp32patch edits files only inside the root it was given"
+        )
+
+
 def locate(spec: Spec, root: Path) -> Located | None:
     """Where ``spec``'s target is under ``root``; None when it is not installed there."""
     dist = find_distribution(root, spec.target.distribution)
@@ -177,13 +192,9 @@ def locate(spec: Spec, root: Path) -> Located | None:
                 f"{target} is a symbolic link that leads to no file (-> {os.readlink(target)}): "
                 "a broken link or a loop; reinstall the package"
             )
-        if not inside(base, target):
-            # the file itself, or a folder on the way to it, is a symlink leading elsewhere
-            how = "is a symbolic link to" if target.is_symlink() else "leads (through a symlinked folder) to"
-            raise LocateError(
-                f"{target} {how} {os.path.realpath(target)}, outside the import root "
-                f"{base}; fp32patch edits files only inside the root it was given"
-            )
+        _check_inside(base, target)
+        for other in spec.target.paths[1:]:
+            _check_inside(base, base / other)
         if dist is None:
             version = _checkout_version(base, spec.target.distribution)
             dist = Distribution(spec.target.distribution, version, None) if version else None

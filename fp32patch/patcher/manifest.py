@@ -25,9 +25,10 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # a RECORD fp32patch keeps in step is a top-level dist-info's; nothing else is ever rewritten
 _RECORD_RE = re.compile(r"^[^/]+\.dist-info/RECORD$")
 
-# Entry states. "pending": an apply has recorded its intent and may not have replaced the
-# file yet; "reverting": a revert has. A crash leaves them; the next apply or revert settles
-# them by the file's bytes (transaction.Transaction.recover).
+# Entry states. "pending": an apply or revert has recorded its intent (an ``Intent`` for
+# the file) and may not have replaced the file yet; "reverting": the state an older
+# fp32patch left on an entry it was dropping. A crash leaves them; the next apply or revert
+# settles them by the file's bytes (transaction.Transaction.recover).
 APPLIED, PENDING, REVERTING = "applied", "pending", "reverting"
 STATES = (APPLIED, PENDING, REVERTING)
 
@@ -54,9 +55,38 @@ class Entry:
 
 
 @dataclass
+class Intent:
+    """A file write in flight: its bytes before and after, and the file's entries before it.
+
+    The new entries are already in the manifest (``pending``). If the file still has its
+    ``sha256_from`` bytes after a crash, ``previous`` is put back; if it has ``sha256_to``,
+    the new entries stand.
+    """
+
+    path: str
+    sha256_from: str
+    sha256_to: str
+    previous: list[Entry] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "previous": [asdict(e) for e in self.previous]}
+
+
+@dataclass
 class Manifest:
     entries: list[Entry] = field(default_factory=list)
     tool_version: str = __version__
+    intents: list[Intent] = field(default_factory=list)
+
+    def on(self, path: str) -> list[Entry]:
+        """The entries of every patch on one file."""
+        return [e for e in self.entries if e.path == path]
+
+    def replace_path(self, path: str, entries: list[Entry]) -> None:
+        self.entries = [e for e in self.entries if e.path != path] + list(entries)
+
+    def intent(self, path: str) -> Intent | None:
+        return next((i for i in self.intents if i.path == path), None)
 
     def find(self, patch: str, path: str) -> Entry | None:
         return next((e for e in self.entries if e.patch == patch and e.path == path), None)
@@ -71,6 +101,9 @@ class Manifest:
     def interrupted(self) -> list[Entry]:
         return [e for e in self.entries if e.state != APPLIED]
 
+    def was_interrupted(self) -> bool:
+        return bool(self.intents) or bool(self.interrupted())
+
     def dumps(self) -> bytes:
         data = {
             "schema": SCHEMA,
@@ -78,6 +111,8 @@ class Manifest:
             "tool_version": __version__,
             "entries": [asdict(e) for e in self.entries],
         }
+        if self.intents:
+            data["intents"] = [i.to_json() for i in self.intents]
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
@@ -117,25 +152,42 @@ def loads(raw: bytes, where: str) -> Manifest:
     entries_raw = data.get("entries")
     if not isinstance(entries_raw, list):
         raise ManifestError(f"{where}: entries: expected a list")
-    entries = []
-    for i, e in enumerate(entries_raw):
-        at = f"{where}: entries[{i}]"
-        if not isinstance(e, dict):
-            raise ManifestError(f"{at}: expected an object")
-        try:
-            entry = Entry(**e)
-        except TypeError as exc:
-            raise ManifestError(f"{at}: {exc}") from None
-        safe_relpath(entry.path, f"{at}.path")
-        if entry.record is not None:
-            safe_relpath(entry.record, f"{at}.record")
-            if not _RECORD_RE.match(entry.record):
-                raise ManifestError(f"{at}.record: {entry.record!r} is not a top-level *.dist-info/RECORD")
-        _sha(entry.sha256_before, f"{at}.sha256_before")
-        _sha(entry.sha256_after, f"{at}.sha256_after")
-        if not isinstance(entry.mode, int) or not 0 <= entry.mode <= 0o7777:
-            raise ManifestError(f"{at}.mode: expected permission bits, got {entry.mode!r}")
-        if entry.state not in STATES:
-            raise ManifestError(f"{at}.state: expected one of {', '.join(STATES)}, got {entry.state!r}")
-        entries.append(entry)
-    return Manifest(entries=entries, tool_version=written_by)
+    entries = [_entry(e, f"{where}: entries[{i}]") for i, e in enumerate(entries_raw)]
+    intents_raw = data.get("intents", [])
+    if not isinstance(intents_raw, list):
+        raise ManifestError(f"{where}: intents: expected a list")
+    intents = []
+    for i, raw_intent in enumerate(intents_raw):
+        at = f"{where}: intents[{i}]"
+        if not isinstance(raw_intent, dict) or not isinstance(raw_intent.get("previous", []), list):
+            raise ManifestError(f"{at}: expected an object with a list of previous entries")
+        intents.append(
+            Intent(
+                path=safe_relpath(raw_intent.get("path"), f"{at}.path"),
+                sha256_from=_sha(raw_intent.get("sha256_from"), f"{at}.sha256_from"),
+                sha256_to=_sha(raw_intent.get("sha256_to"), f"{at}.sha256_to"),
+                previous=[_entry(e, f"{at}.previous[{j}]") for j, e in enumerate(raw_intent.get("previous", []))],
+            )
+        )
+    return Manifest(entries=entries, tool_version=written_by, intents=intents)
+
+
+def _entry(e: object, at: str) -> Entry:
+    if not isinstance(e, dict):
+        raise ManifestError(f"{at}: expected an object")
+    try:
+        entry = Entry(**e)
+    except TypeError as exc:
+        raise ManifestError(f"{at}: {exc}") from None
+    safe_relpath(entry.path, f"{at}.path")
+    if entry.record is not None:
+        safe_relpath(entry.record, f"{at}.record")
+        if not _RECORD_RE.match(entry.record):
+            raise ManifestError(f"{at}.record: {entry.record!r} is not a top-level *.dist-info/RECORD")
+    _sha(entry.sha256_before, f"{at}.sha256_before")
+    _sha(entry.sha256_after, f"{at}.sha256_after")
+    if not isinstance(entry.mode, int) or not 0 <= entry.mode <= 0o7777:
+        raise ManifestError(f"{at}.mode: expected permission bits, got {entry.mode!r}")
+    if entry.state not in STATES:
+        raise ManifestError(f"{at}.state: expected one of {', '.join(STATES)}, got {entry.state!r}")
+    return entry

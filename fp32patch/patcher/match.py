@@ -17,7 +17,8 @@ from fnmatch import fnmatchcase
 
 import libcst as cst
 
-from fp32patch.patcher.spec import Pattern
+from fp32patch.patcher.model import Pattern
+from fp32patch.patcher.vocabulary import pattern_kind
 
 # ast types -> the libcst node types that can render to them (a pre-filter; unknown
 # types fall back to every expression or statement).
@@ -100,20 +101,13 @@ class CodePattern:
 
     @classmethod
     def parse(cls, code: str) -> CodePattern:
-        try:
-            return cls("expr", ast.parse(code.strip(), mode="eval").body)
-        except SyntaxError:
-            pass
-        try:
-            body = ast.parse(code.strip()).body
-            if len(body) == 1:
-                return cls("stmt", body[0])
-            raise ValueError(f"a match pattern is one statement, got {len(body)}")
-        except SyntaxError:
-            pass
+        kind = pattern_kind(code)
+        if kind == "expr":
+            return cls(kind, ast.parse(code.strip(), mode="eval").body)
+        if kind == "stmt":
+            return cls(kind, ast.parse(code.strip()).body[0])
         tree = ast.parse("try:\n    pass\n" + code.strip())
-        handler = tree.body[0].handlers[0]  # type: ignore[attr-defined]
-        return cls("handler", handler)
+        return cls(kind, tree.body[0].handlers[0])  # type: ignore[attr-defined]
 
     def cst_types(self) -> tuple[type, ...]:
         if self.kind == "expr":
@@ -267,6 +261,8 @@ def find(module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] 
                         near.append(f"{'.'.join(path)}({', '.join(names)})")
                         continue
                 scopes.append(node)
+        if not scopes and not near:
+            near = _did_you_mean(module, segments)
     if pattern.regex is not None:
         rx = re.compile(pattern.regex)
         scopes = [s for s in scopes if rx.search(module.code_for_node(s))]
@@ -283,6 +279,18 @@ def find(module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] 
                     seen.add(id(node))
                     matches.append(node)
     return Found(scopes=scopes, near_misses=near, matches=matches)
+
+
+def _did_you_mean(module: cst.Module, segments: list[str]) -> list[str]:
+    """For a scope that names nothing: the nearest class/def paths of the module."""
+    import difflib
+
+    paths = {".".join(path) for path, node in walk(module) if isinstance(node, (cst.ClassDef, cst.FunctionDef))}
+    wanted = ".".join(s for s in segments if s not in ("*", "**"))
+    by_last = {p.rsplit(".", 1)[-1]: p for p in sorted(paths)}
+    close = difflib.get_close_matches(wanted, sorted(paths), n=2, cutoff=0.75)
+    close += [by_last[n] for n in difflib.get_close_matches(segments[-1], by_last, n=2, cutoff=0.75)]
+    return [f"did you mean {p}?" for p in dict.fromkeys(close)][:2]
 
 
 def present(module: cst.Module, pattern: Pattern) -> bool:

@@ -1,4 +1,4 @@
-"""The operation vocabulary: each one small class, planned against anchors, applied by one pass.
+"""How each operation of the vocabulary edits a tree: one small class each, applied by one pass.
 
 An operation never walks the tree itself for editing: ``plan`` resolves its anchor in the
 *original* module (so one edit's insertion can never become another edit's anchor) and
@@ -6,23 +6,23 @@ returns changes keyed by the original nodes; ``transform`` applies every change 
 edit in a single libcst pass. Each inserted or changed statement carries the marker
 comment ``# fp32patch: <spec> [<edit>]``, which is how an applied edit is recognised.
 
-Adding an operation: subclass ``Operation``, give it a ``DESCRIPTION``, a ``validate``
-for its fields and a ``plan``; register it in ``OPERATIONS``; add its table of
-(before, after) and must-not-match cases to tests/test_ops.py.
+Adding an operation: describe it in ``vocabulary.OPERATIONS`` (name, description, fields,
+load-time checks), subclass ``Operation`` here with its ``plan``, register it in
+``PLANNERS`` under the same name, and add its table of (before, after) and must-not-match
+cases to tests/test_ops.py.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
 
+from fp32patch.patcher.markers import marker
 from fp32patch.patcher.match import CodePattern, call_args, cst_expr_equals, descendants, expr_ast, find
-from fp32patch.patcher.spec import Edit
-
-MARKER_RE = re.compile(r"^[ \t]*# fp32patch: (?P<spec>[a-z0-9-]+) \[(?P<edit>[a-z0-9-]+)\]", re.MULTILINE)
+from fp32patch.patcher.model import Edit
+from fp32patch.patcher.vocabulary import CALL_ARGS, OPERATIONS
 
 Rewrite = Callable[[cst.CSTNode], cst.CSTNode | cst.FlattenSentinel | cst.RemovalSentinel]
 
@@ -39,10 +39,6 @@ class AnchorError(Exception):
 class Change:
     node: cst.CSTNode  # a node of the original module
     rewrite: Rewrite  # updated node -> replacement
-
-
-def marker(spec_id: str, edit_id: str) -> str:
-    return f"# fp32patch: {spec_id} [{edit_id}]"
 
 
 def _marked(lines: Sequence[cst.EmptyLine], text: str, *, blank_before: int = 0) -> list[cst.EmptyLine]:
@@ -68,7 +64,19 @@ def _expect(edit: Edit, found: int, what: str, extra: str = "") -> None:
 
 
 def _near(found_near: list[str]) -> str:
-    return "found instead: " + "; ".join(found_near) if found_near else ""
+    guesses = [n for n in found_near if n.startswith("did you mean")]
+    found = [n for n in found_near if n not in guesses]
+    return "; ".join([*(["found instead: " + "; ".join(found)] if found else []), *guesses])
+
+
+def _code_at(module: cst.Module, edit: Edit, node: cst.CSTNode) -> str:
+    """The edit's code for one anchor: ``${call_args}`` is the enclosing function's parameters."""
+    if CALL_ARGS not in edit.code:
+        return edit.code
+    func = node if isinstance(node, cst.FunctionDef) else _enclosing(module, [node], (cst.FunctionDef,)).get(id(node))
+    if not isinstance(func, cst.FunctionDef):
+        raise AnchorError(edit, "edit-failed", f"{CALL_ARGS} is used, but the anchor is not inside a function")
+    return edit.code.replace(CALL_ARGS, call_args(func))
 
 
 def _body_start(block: cst.BaseSuite) -> int:
@@ -89,20 +97,8 @@ def _as_block(suite: cst.BaseSuite) -> cst.IndentedBlock:
     return cst.IndentedBlock(body=[cst.SimpleStatementLine(body=suite.body)])
 
 
-def _check_statements(edit: Edit, fail: Callable[[str, str], None]) -> None:
-    try:
-        _statements(edit.code.replace("${call_args}", "_args"))
-    except cst.ParserSyntaxError as exc:
-        fail("code", f"not valid Python statements: {exc.message} (line {exc.raw_line})")
-
-
 class Operation:
     name = ""
-    DESCRIPTION = ""
-
-    def validate(self, edit: Edit, fail: Callable[[str, str], None]) -> None:
-        """Reject a spec whose fields this operation cannot use (raise through ``fail``)."""
-        _check_statements(edit, fail)
 
     def plan(self, module: cst.Module, edit: Edit, spec_id: str) -> list[Change]:
         raise NotImplementedError
@@ -110,12 +106,6 @@ class Operation:
 
 class InsertAfterImports(Operation):
     name = "insert_after_imports"
-    DESCRIPTION = "Insert module-level statements after the module's leading imports."
-
-    def validate(self, edit, fail):
-        _check_statements(edit, fail)
-        if edit.anchor.scope or edit.anchor.match or edit.anchor.params:
-            fail("scope", "insert_after_imports works on the module; give no scope, match or params")
 
     def plan(self, module, edit, spec_id):
         new = _statements(edit.code)
@@ -172,14 +162,6 @@ def _after_imports(body: list[cst.BaseStatement]) -> int:
 
 class PrependToBody(Operation):
     name = "prepend_to_body"
-    DESCRIPTION = "Insert statements at the start of a function's body (after its docstring)."
-
-    def validate(self, edit, fail):
-        _check_statements(edit, fail)
-        if not edit.anchor.scope:
-            fail("scope", "prepend_to_body needs the function's scope")
-        if edit.anchor.match:
-            fail("match", "prepend_to_body anchors on its scope alone")
 
     def plan(self, module, edit, spec_id):
         found = find(module, edit.anchor)
@@ -188,8 +170,7 @@ class PrependToBody(Operation):
         changes = []
         for func in funcs:
             assert isinstance(func, cst.FunctionDef)
-            code = edit.code.replace("${call_args}", call_args(func))
-            new = _statements(code)
+            new = _statements(_code_at(module, edit, func))
             new[0] = _with_marker(new[0], marker(spec_id, edit.id))
 
             def rewrite(updated: cst.CSTNode, new=new) -> cst.CSTNode:
@@ -206,13 +187,6 @@ class PrependToBody(Operation):
 class _StatementAnchored(Operation):
     """Operations anchored on a statement pattern inside a scope."""
 
-    def validate(self, edit, fail):
-        _check_statements(edit, fail)
-        if edit.anchor.match is None:
-            fail("match", f"{self.name} needs a statement pattern to anchor on")
-        elif CodePattern.parse(edit.anchor.match).kind != "stmt":
-            fail("match", f"{self.name} anchors on a statement, got {edit.anchor.match!r}")
-
     def anchors(self, module: cst.Module, edit: Edit) -> list[cst.CSTNode]:
         found = find(module, edit.anchor)
         _expect(edit, len(found.matches), edit.anchor.describe(), _near(found.near_misses))
@@ -221,52 +195,36 @@ class _StatementAnchored(Operation):
 
 class InsertBefore(_StatementAnchored):
     name = "insert_before"
-    DESCRIPTION = "Insert statements before each matched statement."
 
     def plan(self, module, edit, spec_id):
-        new = _statements(edit.code)
+        changes = []
+        for node in self.anchors(module, edit):
+            new = _statements(_code_at(module, edit, node))
 
-        def rewrite(updated: cst.CSTNode) -> cst.FlattenSentinel:
-            # the comments above the anchor stay with the block that now starts here
-            lead = list(getattr(updated, "leading_lines", []))
-            first = new[0].with_changes(leading_lines=_marked(lead, marker(spec_id, edit.id)))
-            return cst.FlattenSentinel([first, *new[1:], updated.with_changes(leading_lines=[])])
+            def rewrite(updated: cst.CSTNode, new=new) -> cst.FlattenSentinel:
+                # the comments above the anchor stay with the block that now starts here
+                lead = list(getattr(updated, "leading_lines", []))
+                first = new[0].with_changes(leading_lines=_marked(lead, marker(spec_id, edit.id)))
+                return cst.FlattenSentinel([first, *new[1:], updated.with_changes(leading_lines=[])])
 
-        return [Change(node, rewrite) for node in self.anchors(module, edit)]
+            changes.append(Change(node, rewrite))
+        return changes
 
 
 class InsertAfter(_StatementAnchored):
     name = "insert_after"
-    DESCRIPTION = "Insert statements after each matched statement."
 
     def plan(self, module, edit, spec_id):
-        new = _statements(edit.code)
-        new[0] = _with_marker(new[0], marker(spec_id, edit.id))
-        return [
-            Change(node, lambda updated: cst.FlattenSentinel([updated, *new])) for node in self.anchors(module, edit)
-        ]
+        changes = []
+        for node in self.anchors(module, edit):
+            new = _statements(_code_at(module, edit, node))
+            new[0] = _with_marker(new[0], marker(spec_id, edit.id))
+            changes.append(Change(node, lambda updated, new=new: cst.FlattenSentinel([updated, *new])))
+        return changes
 
 
 class Replace(Operation):
     name = "replace"
-    DESCRIPTION = "Replace each matched expression or statement with new code."
-
-    def validate(self, edit, fail):
-        if edit.anchor.match is None:
-            fail("match", "replace needs a pattern to replace")
-            return
-        kind = CodePattern.parse(edit.anchor.match).kind
-        if kind == "handler":
-            fail("match", "replace works on expressions and statements, not except handlers")
-        try:
-            if kind == "expr":
-                cst.parse_expression(edit.code.strip())
-            else:
-                _statements(edit.code)
-        except cst.ParserSyntaxError as exc:
-            fail(
-                "code", f"the replacement must be {'an expression' if kind == 'expr' else 'statements'}: {exc.message}"
-            )
 
     def plan(self, module, edit, spec_id):
         found = find(module, edit.anchor)
@@ -274,15 +232,20 @@ class Replace(Operation):
         kind = CodePattern.parse(edit.anchor.match or "").kind
         text = marker(spec_id, edit.id)
         if kind == "stmt":
-            new = _statements(edit.code)
+            changes = []
+            for node in found.matches:
+                new = _statements(_code_at(module, edit, node))
 
-            def rewrite(updated: cst.CSTNode) -> cst.FlattenSentinel:
-                lead = list(getattr(updated, "leading_lines", []))
-                return cst.FlattenSentinel([new[0].with_changes(leading_lines=_marked(lead, text)), *new[1:]])
+                def rewrite(updated: cst.CSTNode, new=new) -> cst.FlattenSentinel:
+                    lead = list(getattr(updated, "leading_lines", []))
+                    return cst.FlattenSentinel([new[0].with_changes(leading_lines=_marked(lead, text)), *new[1:]])
 
-            return [Change(node, rewrite) for node in found.matches]
-        expr = cst.parse_expression(edit.code.strip())
-        changes = [Change(node, lambda updated: expr) for node in found.matches]
+                changes.append(Change(node, rewrite))
+            return changes
+        changes = []
+        for node in found.matches:
+            expr = cst.parse_expression(_code_at(module, edit, node).strip())
+            changes.append(Change(node, lambda updated, expr=expr: expr))
         # the marker goes on the statement that holds each replaced expression
         for stmt in _enclosing_statements(module, found.matches):
             changes.append(Change(stmt, lambda updated: _with_marker(updated, text)))
@@ -290,15 +253,19 @@ class Replace(Operation):
 
 
 class _Enclosing(cst.CSTVisitor):
-    def __init__(self, wanted: set[int]):
+    """For each wanted node, the innermost node of ``kinds`` that holds it (the node itself excluded)."""
+
+    def __init__(self, wanted: set[int], kinds: tuple[type, ...]):
         super().__init__()
-        self.wanted, self.stack, self.found = wanted, [], []
+        self.wanted, self.kinds = wanted, kinds
+        self.stack: list[cst.CSTNode] = []
+        self.found: dict[int, cst.CSTNode] = {}
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        if id(node) in self.wanted and self.stack:
+            self.found[id(node)] = self.stack[-1]
+        if isinstance(node, self.kinds):
             self.stack.append(node)
-        if id(node) in self.wanted and self.stack and all(self.stack[-1] is not s for s in self.found):
-            self.found.append(self.stack[-1])
         return True
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
@@ -306,29 +273,20 @@ class _Enclosing(cst.CSTVisitor):
             self.stack.pop()
 
 
-def _enclosing_statements(module: cst.Module, nodes: list[cst.CSTNode]) -> list[cst.CSTNode]:
-    """The innermost statement holding each node, once each."""
-    visitor = _Enclosing({id(n) for n in nodes})
+def _enclosing(module: cst.Module, nodes: list[cst.CSTNode], kinds: tuple[type, ...]) -> dict[int, cst.CSTNode]:
+    visitor = _Enclosing({id(n) for n in nodes}, kinds)
     module.visit(visitor)
     return visitor.found
 
 
+def _enclosing_statements(module: cst.Module, nodes: list[cst.CSTNode]) -> list[cst.CSTNode]:
+    """The innermost statement holding each node, once each."""
+    found = _enclosing(module, nodes, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
+    return list({id(s): s for n in nodes if (s := found.get(id(n))) is not None}.values())
+
+
 class InsertExceptHandler(Operation):
     name = "insert_except_handler"
-    DESCRIPTION = "Add except handlers to a try statement, after the handler that catches `catches`."
-
-    def validate(self, edit, fail):
-        if edit.catches is None:
-            fail("catches", "insert_except_handler needs the exception type it inserts after")
-        if edit.anchor.match is not None:
-            fail("match", "insert_except_handler anchors on its scope and `catches`")
-        try:
-            handlers = _handlers(edit.code)
-        except cst.ParserSyntaxError as exc:
-            fail("code", f"must be one or more `except ...:` handlers: {exc.message}")
-            return
-        if not handlers:
-            fail("code", "must be one or more `except ...:` handlers")
 
     def plan(self, module, edit, spec_id):
         found = find(module, edit.anchor)
@@ -342,12 +300,12 @@ class InsertExceptHandler(Operation):
                             hits.append((node, i))
         what = f"`except {edit.catches}` in {edit.anchor.describe()}"
         _expect(edit, len(hits), what, _near(found.near_misses))
-        new = _handlers(edit.code)
-        new[0] = _with_marker(new[0], marker(spec_id, edit.id))
         changes = []
         for node, index in hits:
+            new = _handlers(_code_at(module, edit, node))
+            new[0] = _with_marker(new[0], marker(spec_id, edit.id))
 
-            def rewrite(updated: cst.CSTNode, index=index) -> cst.CSTNode:
+            def rewrite(updated: cst.CSTNode, index=index, new=new) -> cst.CSTNode:
                 assert isinstance(updated, cst.Try)
                 handlers = list(updated.handlers)
                 return updated.with_changes(handlers=[*handlers[: index + 1], *new, *handlers[index + 1 :]])
@@ -363,7 +321,7 @@ def _handlers(code: str) -> list[cst.ExceptHandler]:
     return list(stmt.handlers)
 
 
-OPERATIONS: dict[str, Operation] = {
+PLANNERS: dict[str, Operation] = {
     op.name: op
     for op in (
         InsertAfterImports(),
@@ -374,6 +332,9 @@ OPERATIONS: dict[str, Operation] = {
         InsertExceptHandler(),
     )
 }
+
+
+assert set(PLANNERS) == set(OPERATIONS), "every operation of the vocabulary has a planner, and no other"
 
 
 class _Apply(cst.CSTTransformer):

@@ -1,27 +1,33 @@
-"""Patch specs: TOML data files, loaded, validated and hashed.
+"""Patch specs: TOML data files, loaded, validated and hashed (into ``model`` dataclasses).
 
-A spec says what to change (``[[edits]]``, each one operation of ``ops.OPERATIONS``),
-where (``[target]``: a distribution and a path inside its import root), for which
-releases (``[[variants]]``: version windows, each able to override edit fields for the
-shape that release has), and how an upstream fix looks (``[[obsolete_when]]``).
+A spec says what to change (``[[edits]]``, each one operation of ``vocabulary.OPERATIONS``),
+where (``[target]``: a distribution and one or more files inside its import root), for
+which releases (``[[variants]]``: version windows, each able to override edit fields or
+leave edits out for the shape that release has), and how an upstream fix looks
+(``[[obsolete_when]]``).
 
 Every validation error names the file and the field (``spec.toml: edits[1].scope: ...``)
-so a broken spec is fixed where it is broken. Nothing here parses Python targets.
+in TOML's words (table, array, string) so a broken spec is fixed where it is broken.
+Nothing here parses Python targets, and nothing here imports libcst.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 import sys
-from dataclasses import dataclass, field
 from importlib import resources
+from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from fp32patch.patcher.model import Edit, ObsoleteWhen, Pattern, Spec, Target, Variant
+from fp32patch.patcher.vocabulary import EDIT_FIELDS, OPERATIONS, pattern_kind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,121 +37,48 @@ else:  # pragma: no cover - exercised on 3.10 only
 SCHEMA_VERSION = 1
 _ID_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _SCOPE_SEGMENT_RE = re.compile(r"^(\*\*|\*|[A-Za-z_][A-Za-z0-9_]*)$")
+_FILE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+# TOML's names for what a field holds
+_TOML_TYPE = {dict: "table", list: "array", str: "string", int: "integer", bool: "boolean", float: "float"}
+
+_TOP_FIELDS = ("schema", "id", "summary", "description", "env", "target", "edits", "variants", "obsolete_when")
+_TARGET_FIELDS = ("distribution", "path", "files", "versions")
+_VARIANT_FIELDS = ("name", "versions", "edits", "omit")
+_PATTERN_FIELDS = ("scope", "match", "params", "regex", "file")
+_MAIN = "main"  # the short name of a single-file spec's file
 
 
 class SpecError(ValueError):
     """A spec file is malformed; the message names the file and the field."""
 
 
-@dataclass(frozen=True)
-class Pattern:
-    """Where to look and what must be there: a scope, and optionally code with ``...`` holes."""
-
-    scope: str = ""  # dotted class/def path; "" is the module; "**" spans any depth
-    match: str | None = None  # a Python expression or statement; `...` matches anything
-    params: tuple[str, ...] | None = None  # the scope function's exact parameter names
-    regex: str | None = None  # searched in the scope's source text (for string contents)
-
-    def describe(self) -> str:
-        parts = [f"scope {self.scope or '<module>'}"]
-        if self.params is not None:
-            parts.append(f"params ({', '.join(self.params)})")
-        if self.match is not None:
-            parts.append(f"match `{_one_line(self.match)}`")
-        if self.regex is not None:
-            parts.append(f"regex /{self.regex}/")
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class Edit:
-    """One operation of the vocabulary, applied at an anchor that must match ``count`` times."""
-
-    id: str
-    op: str
-    anchor: Pattern
-    code: str
-    count: int = 1
-    catches: str | None = None  # insert_except_handler: the handler to insert after
-    skip_when: tuple[Pattern, ...] = ()  # this part is already fixed upstream
-
-
-@dataclass(frozen=True)
-class ObsoleteWhen:
-    """An upstream fix, recognised when every one of its patterns is present."""
-
-    name: str
-    patterns: tuple[Pattern, ...]
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    versions: SpecifierSet
-    edits: tuple[Edit, ...]
-
-    def admits(self, version: Version | None) -> bool:
-        return version is None or self.versions.contains(version, prereleases=True)
-
-
-@dataclass(frozen=True)
-class Target:
-    distribution: str
-    path: str  # POSIX path inside the import root
-    versions: SpecifierSet
-
-
-@dataclass(frozen=True)
-class Spec:
-    id: str
-    summary: str
-    target: Target
-    variants: tuple[Variant, ...]
-    obsolete_when: tuple[ObsoleteWhen, ...]
-    source: str  # where it was loaded from, for messages
-    sha256: str  # of the canonical content; recorded in the manifest
-    description: str = ""
-    env: tuple[str, ...] = field(default=())  # environment variables the patched code reads
-
-    @property
-    def marker_prefix(self) -> str:
-        return f"# fp32patch: {self.id}"
-
-    def variants_for(self, version: Version | None) -> list[Variant]:
-        if version is not None and not self.target.versions.contains(version, prereleases=True):
-            return []
-        return [v for v in self.variants if v.admits(version)]
-
-    @property
-    def edit_ids(self) -> list[str]:
-        seen: list[str] = []
-        for variant in self.variants:
-            for edit in variant.edits:
-                if edit.id not in seen:
-                    seen.append(edit.id)
-        return seen
-
-
-def _one_line(code: str) -> str:
-    return " ".join(code.split())
+def _toml_type(value: object) -> str:
+    return _TOML_TYPE.get(type(value), type(value).__name__)
 
 
 class _Fields:
-    """Typed access to one TOML table, with errors that say ``file: path.field: problem``."""
+    """Typed access to one TOML table, with errors that say ``file: path.field: problem``.
 
-    def __init__(self, source: str, where: str, table: Any):
+    Unknown fields are reported first (a misspelt field otherwise shows up as a missing
+    required one), with the nearest known name.
+    """
+
+    def __init__(self, source: str, where: str, table: Any, known: tuple[str, ...]):
         self.source, self.where = source, where
         if not isinstance(table, dict):
-            self.fail("", f"expected a table, got {type(table).__name__}")
+            self.fail("", f"expected a table, got {_toml_type(table)}")
         self.table: dict[str, Any] = table
-        self.used: set[str] = set()
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            self.fail(unknown[0], f"unknown field ({hint}known: {', '.join(known)})")
 
     def fail(self, key: str, problem: str) -> SpecError:
         name = f"{self.where}.{key}" if self.where and key else (key or self.where or "<top>")
         raise SpecError(f"{self.source}: {name}: {problem}")
 
     def get(self, key: str, kind: type | tuple[type, ...], *, required: bool = False, default: Any = None) -> Any:
-        self.used.add(key)
         if key not in self.table:
             if required:
                 self.fail(key, "is required")
@@ -153,8 +86,8 @@ class _Fields:
         value = self.table[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             kinds = kind if isinstance(kind, tuple) else (kind,)
-            expected = " or ".join(k.__name__ for k in kinds)
-            self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
+            expected = " or ".join(_TOML_TYPE.get(k, k.__name__) for k in kinds)
+            self.fail(key, f"expected {expected}, got {_toml_type(value)} {value!r}")
         return value
 
     def string(self, key: str, *, required: bool = False, default: str | None = None) -> str | None:
@@ -169,12 +102,11 @@ class _Fields:
             return None
         for i, item in enumerate(value):
             if not isinstance(item, str):
-                self.fail(f"{key}[{i}]", f"expected str, got {type(item).__name__}")
+                self.fail(f"{key}[{i}]", f"expected string, got {_toml_type(item)}")
         return tuple(value)
 
     def tables(self, key: str) -> list[Any]:
-        value = self.get(key, list, default=[])
-        return value
+        return self.get(key, list, default=[])
 
     def specifier(self, key: str, default: str = "") -> SpecifierSet:
         text = self.string(key, default=default) or ""
@@ -184,13 +116,8 @@ class _Fields:
             self.fail(key, f"not a version specifier: {text!r} (write e.g. '>=0.11.0,<0.26')")
         raise AssertionError  # unreachable
 
-    def done(self) -> None:
-        unknown = sorted(set(self.table) - self.used)
-        if unknown:
-            self.fail(unknown[0], f"unknown field (known: {', '.join(sorted(self.used))})")
 
-
-def _pattern(f: _Fields) -> Pattern:
+def _pattern(f: _Fields, files: dict[str, str]) -> Pattern:
     scope = f.string("scope", default="") or ""
     if scope:
         for segment in scope.split("."):
@@ -198,73 +125,121 @@ def _pattern(f: _Fields) -> Pattern:
                 f.fail("scope", f"bad segment {segment!r} in {scope!r} (names, '*' or '**')")
     match = f.string("match")
     if match is not None:
-        _check_python(f, "match", match, pattern=True)
+        try:
+            pattern_kind(match)
+        except (SyntaxError, ValueError) as exc:
+            f.fail("match", f"not valid Python ({getattr(exc, 'msg', exc)})")
     regex = f.string("regex")
     if regex is not None:
         try:
             re.compile(regex)
         except re.error as exc:
             f.fail("regex", f"not a regular expression: {exc}")
-    return Pattern(scope=scope, match=match, params=f.strings("params"), regex=regex)
+    file = f.string("file")
+    if file is not None and file not in files:
+        f.fail("file", f"no file named {file!r} in [target] files (files: {', '.join(files)})")
+    return Pattern(scope=scope, match=match, params=f.strings("params"), regex=regex, file=file)
 
 
-def _check_python(f: _Fields, key: str, code: str, *, pattern: bool = False) -> None:
-    import ast
-
+def _read_code_file(f: _Fields, base: Traversable | Path | None, name: str) -> str:
+    if name.startswith("/") or ".." in Path(name).parts or "\\" in name:
+        f.fail("code_file", f"must be a relative path under the specs folder, got {name!r}")
+    if base is None:
+        f.fail("code_file", "this spec was not loaded from a folder, so code_file cannot be read")
+    entry: Any = base
+    for part in name.split("/"):
+        entry = entry / part
     try:
-        ast.parse(code)
-    except SyntaxError as exc:
-        if pattern:
-            # a handler pattern (`except X:`) is not a statement on its own
-            try:
-                ast.parse(f"try:\n    pass\n{code}")
-                return
-            except SyntaxError:
-                pass
-        f.fail(key, f"not valid Python ({exc.msg}, line {exc.lineno})")
+        return entry.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        f.fail("code_file", f"cannot read {name}: {exc}")
+    raise AssertionError  # unreachable
 
 
-_EDIT_FIELDS = ("catches", "code", "count", "id", "match", "op", "params", "regex", "scope", "skip_when")
-
-
-def _known_edit_fields(source: str, where: str, table: dict[str, Any]) -> None:
-    unknown = sorted(set(table) - set(_EDIT_FIELDS))
-    if unknown:
-        raise SpecError(f"{source}: {where}.{unknown[0]}: unknown field (known: {', '.join(_EDIT_FIELDS)})")
-
-
-def _edit(source: str, where: str, table: Any, known_ops: dict[str, Any]) -> Edit:
-    f = _Fields(source, where, table)
+def _edit(source: str, where: str, table: dict[str, Any], files: dict[str, str], base) -> Edit:
+    f = _Fields(source, where, table, tuple(EDIT_FIELDS))
     edit_id = f.string("id", required=True)
     if not _ID_RE.match(edit_id or ""):
         f.fail("id", f"{edit_id!r} is not a lower-case, dash-separated id")
     op = f.string("op", required=True)
-    if op not in known_ops:
-        f.fail("op", f"unknown operation {op!r} (known: {', '.join(sorted(known_ops))})")
-    anchor = _pattern(f)
-    code = f.string("code", required=True) or ""
+    if op not in OPERATIONS:
+        near = difflib.get_close_matches(op or "", OPERATIONS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        f.fail("op", f"unknown operation {op!r} ({hint}known: {', '.join(sorted(OPERATIONS))})")
+    file = f.string("file")
+    if file is None:
+        if len(files) > 1:
+            f.fail("file", f"this spec edits several files; name one ({', '.join(files)})")
+        file = next(iter(files))
+    elif file not in files:
+        f.fail("file", f"no file named {file!r} in [target] files (files: {', '.join(files)})")
+    anchor = _pattern(f, files)
+    if "code" in table and "code_file" in table:
+        f.fail("code_file", "give code or code_file, not both")
+    code_file = f.string("code_file")
+    code = _read_code_file(f, base, code_file) if code_file else (f.string("code", required=True) or "")
     count = f.get("count", int, default=1)
     if count < 1:
         f.fail("count", f"must be at least 1, got {count}")
     catches = f.string("catches")
     skip_when = tuple(
-        _pattern(_Fields(source, f"{where}.skip_when[{i}]", t)) for i, t in enumerate(f.tables("skip_when"))
+        _pattern(_Fields(source, f"{where}.skip_when[{i}]", t, _PATTERN_FIELDS), files)
+        for i, t in enumerate(f.tables("skip_when"))
     )
-    f.done()
-    edit = Edit(id=edit_id, op=op, anchor=anchor, code=code, count=count, catches=catches, skip_when=skip_when)
-    known_ops[op].validate(edit, lambda key, problem: f.fail(key, problem))
+    edit = Edit(
+        id=edit_id or "",
+        op=op or "",
+        anchor=anchor,
+        code=code,
+        count=count,
+        catches=catches,
+        skip_when=skip_when,
+        file=file,
+    )
+    OPERATIONS[edit.op].validate(edit, lambda key, problem: f.fail(key, problem))
     return edit
 
 
-def parse_spec(text: str, source: str) -> Spec:
-    """Validate the TOML text of one spec; ``source`` names it in every error."""
-    from fp32patch.patcher.ops import OPERATIONS
+def _target(top: _Fields) -> Target:
+    t = _Fields(top.source, "target", top.get("target", dict, required=True), _TARGET_FIELDS)
+    if ("path" in t.table) == ("files" in t.table):
+        t.fail("files", "give either path (one file) or files (a table of short name = path)")
+    if "path" in t.table:
+        files = {_MAIN: t.string("path", required=True) or ""}
+    else:
+        raw = t.get("files", dict)
+        if not raw:
+            t.fail("files", "needs at least one file")
+        files = {}
+        for name, path in raw.items():
+            if not _FILE_NAME_RE.match(name):
+                t.fail(f"files.{name}", "a file's short name is letters, digits, '_' and '-'")
+            if not isinstance(path, str):
+                t.fail(f"files.{name}", f"expected string, got {_toml_type(path)}")
+            files[name] = path
+    for name, path in files.items():
+        key = "path" if "path" in t.table else f"files.{name}"
+        if not path or path.startswith("/") or ".." in Path(path).parts or "\\" in path:
+            t.fail(key, f"must be a relative POSIX path inside the import root, got {path!r}")
+    if len(set(files.values())) != len(files):
+        t.fail("files", "a file is listed twice")
+    return Target(
+        distribution=t.string("distribution", required=True) or "",
+        files=tuple(files.items()),
+        versions=t.specifier("versions"),
+    )
 
+
+def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None) -> Spec:
+    """Validate the TOML text of one spec; ``source`` names it in every error.
+
+    ``base`` is the folder ``code_file`` paths are relative to (the specs folder).
+    """
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{source}: not valid TOML: {exc}") from None
-    top = _Fields(source, "", data)
+    top = _Fields(source, "", data, _TOP_FIELDS)
     schema = top.get("schema", int, required=True)
     if schema != SCHEMA_VERSION:
         top.fail("schema", f"this fp32patch reads schema {SCHEMA_VERSION}, the file has {schema}")
@@ -274,17 +249,8 @@ def parse_spec(text: str, source: str) -> Spec:
     summary = top.string("summary", required=True) or ""
     description = top.string("description", default="") or ""
     env = top.strings("env") or ()
-
-    t = _Fields(source, "target", top.get("target", dict, required=True))
-    path = t.string("path", required=True) or ""
-    if path.startswith("/") or ".." in Path(path).parts or "\\" in path:
-        t.fail("path", f"must be a relative POSIX path inside the import root, got {path!r}")
-    target = Target(
-        distribution=t.string("distribution", required=True) or "",
-        path=path,
-        versions=t.specifier("versions"),
-    )
-    t.done()
+    target = _target(top)
+    files = dict(target.files)
 
     raw_edits = top.tables("edits")
     if not raw_edits:
@@ -292,53 +258,65 @@ def parse_spec(text: str, source: str) -> Spec:
     by_id: dict[str, dict[str, Any]] = {}
     for i, table in enumerate(raw_edits):
         if not isinstance(table, dict):
-            top.fail(f"edits[{i}]", "expected a table")
+            top.fail(f"edits[{i}]", f"expected a table, got {_toml_type(table)}")
         edit_id = table.get("id")
         if edit_id in by_id:
             top.fail(f"edits[{i}].id", f"duplicate edit id {edit_id!r}")
-        _known_edit_fields(source, f"edits[{i}]", table)  # named where it is written, not where merged
+        _Fields(source, f"edits[{i}]", table, tuple(EDIT_FIELDS))  # unknown fields, named where written
         by_id[str(edit_id)] = table
 
     variants: list[Variant] = []
     raw_variants = top.tables("variants") or [{"name": "all"}]
+    resolved: dict[str, str] = {}  # code_file contents, for the hash
     for i, vt in enumerate(raw_variants):
-        vf = _Fields(source, f"variants[{i}]", vt)
+        vf = _Fields(source, f"variants[{i}]", vt, _VARIANT_FIELDS)
         name = vf.string("name", required=True) or ""
         versions = vf.specifier("versions")
         overrides = vf.get("edits", dict, default={})
         for edit_id in overrides:
             if edit_id not in by_id:
                 vf.fail(f"edits.{edit_id}", f"no edit with id {edit_id!r} (edits: {', '.join(by_id)})")
-        vf.done()
+        omit = vf.strings("omit") or ()
+        for j, edit_id in enumerate(omit):
+            if edit_id not in by_id:
+                vf.fail(f"omit[{j}]", f"no edit with id {edit_id!r} (edits: {', '.join(by_id)})")
         edits = []
         for j, (edit_id, table) in enumerate(by_id.items()):
-            merged = dict(table)
             override = overrides.get(edit_id, {})
             if not isinstance(override, dict):
                 vf.fail(f"edits.{edit_id}", "expected a table of edit fields")
             if "id" in override or "op" in override:
                 vf.fail(f"edits.{edit_id}", "a variant may not change an edit's id or op")
-            _known_edit_fields(source, f"variants[{i}].edits.{edit_id}", override)
-            merged.update(override)
+            _Fields(source, f"variants[{i}].edits.{edit_id}", override, tuple(EDIT_FIELDS))
+            if edit_id in omit:
+                continue
+            merged = {**table, **override}
+            if "code_file" in override:
+                merged.pop("code", None)
+            elif "code" in override:
+                merged.pop("code_file", None)
             where = f"edits[{j}]" if not override else f"variants[{i}].edits.{edit_id}"
-            edits.append(_edit(source, where, merged, OPERATIONS))
+            edit = _edit(source, where, merged, files, base)
+            if "code_file" in merged:
+                resolved[merged["code_file"]] = edit.code
+            edits.append(edit)
+        if not edits:
+            vf.fail("omit", "a variant needs at least one edit")
         variants.append(Variant(name=name, versions=versions, edits=tuple(edits)))
 
     obsolete = []
     for i, ot in enumerate(top.tables("obsolete_when")):
-        of = _Fields(source, f"obsolete_when[{i}]", ot)
+        of = _Fields(source, f"obsolete_when[{i}]", ot, ("name", "patterns"))
         name = of.string("name", required=True) or ""
         pats = tuple(
-            _pattern(_Fields(source, f"obsolete_when[{i}].patterns[{j}]", p))
+            _pattern(_Fields(source, f"obsolete_when[{i}].patterns[{j}]", p, _PATTERN_FIELDS), files)
             for j, p in enumerate(of.tables("patterns"))
         )
         if not pats:
             of.fail("patterns", "needs at least one pattern")
-        of.done()
         obsolete.append(ObsoleteWhen(name=name, patterns=pats))
-    top.done()
 
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    canonical = json.dumps({"spec": data, "code_files": resolved}, sort_keys=True, separators=(",", ":"), default=str)
     return Spec(
         id=spec_id,
         summary=summary,
@@ -357,17 +335,18 @@ def load_spec(path: Path) -> Spec:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
-    return parse_spec(text, str(path))
+    return parse_spec(text, str(path), base=path.parent)
 
 
 def load_specs(directory: Path | None = None) -> list[Spec]:
     """Every ``*.toml`` spec in ``directory``, or the ones shipped in ``fp32patch.patches``."""
     if directory is None:
-        files = sorted(
-            (entry for entry in resources.files("fp32patch.patches").iterdir() if entry.name.endswith(".toml")),
-            key=lambda entry: entry.name,
-        )
-        specs = [parse_spec(entry.read_text(encoding="utf-8"), f"fp32patch/patches/{entry.name}") for entry in files]
+        base = resources.files("fp32patch.patches")
+        files = sorted((entry for entry in base.iterdir() if entry.name.endswith(".toml")), key=lambda e: e.name)
+        specs = [
+            parse_spec(entry.read_text(encoding="utf-8"), f"fp32patch/patches/{entry.name}", base=base)
+            for entry in files
+        ]
     else:
         if not directory.is_dir():
             raise SpecError(f"{directory}: not a directory of specs")

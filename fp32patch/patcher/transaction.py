@@ -3,11 +3,11 @@
 One ``Transaction`` per import root, always under that root's lock. ``commit`` goes:
 
 1. keep every original (content-addressed) and every displaced byte string;
-2. record intent: each entry to write is ``pending`` (apply) or ``reverting`` (revert)
-   in the manifest, which names the file's sha256 before and after;
+2. record intent: for each file an ``Intent`` (its sha256 before and after, and its
+   entries before), and its new entries, ``pending``, in the manifest;
 3. replace each file (atomic: old or new bytes, never a mix), then its RECORD row and
    its bytecode;
-4. settle the manifest (``applied``, or the entry dropped).
+4. settle the manifest (entries ``applied``, intents cleared).
 
 On an exception it puts back every file it had replaced, then the previous manifest. A
 kill at any point leaves each file whole and the intent on disk, so ``recover`` (run
@@ -18,79 +18,21 @@ Nothing here parses Python.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import csv
+import copy
 import errno
-import hashlib
-import importlib.util
-import io
 import os
-import py_compile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_follow, stale_temps, step
+from fp32patch.patcher.bytecode import refresh_bytecode
+from fp32patch.patcher.record import record_hash, rewrite_record
 from fp32patch.patcher.state import StateDir, sha256
 
-__all__ = ["StateDir", "Transaction", "TransactionError", "Write", "sha256", "describe_os_error"]
-
-
-# ---------------------------------------------------------------- RECORD and bytecode
-
-
-def record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-def rewrite_record(record: bytes, relpath: str, data: bytes) -> bytes | None:
-    """RECORD with ``relpath``'s row set to ``data``'s hash and size; None if it has no row.
-
-    Only that row's text changes: every other byte (order, quoting, line endings) stays,
-    so a revert gives back the RECORD it found. A RECORD that is not UTF-8 CSV is left alone.
-    """
-    try:
-        lines = record.decode("utf-8").splitlines(keepends=True)
-    except UnicodeDecodeError:
-        return None
-    hit = False
-    for i, line in enumerate(lines):
-        body = line.rstrip("\r\n")
-        try:
-            row = next(csv.reader([body]), [])
-        except csv.Error:
-            continue
-        if row and row[0] == relpath:
-            out = io.StringIO()
-            csv.writer(out, lineterminator="").writerow([row[0], record_hash(data), str(len(data)), *row[3:]])
-            lines[i] = out.getvalue() + line[len(body) :]
-            hit = True
-    return "".join(lines).encode("utf-8") if hit else None
-
-
-def refresh_bytecode(path: Path) -> None:
-    """Make sure no cached bytecode can stand in for ``path``'s new source.
-
-    Every ``__pycache__/<stem>.*.pyc`` is removed (a pyc compiled with unchecked-hash
-    invalidation is never compared with its source). For this interpreter, a pyc that
-    existed is rebuilt with checked-hash invalidation: correct whatever the timestamps.
-    """
-    cache = path.parent / "__pycache__"
-    if not cache.is_dir() or cache.is_symlink():
-        return
-    ours = Path(importlib.util.cache_from_source(str(path)))
-    had_ours = ours.exists()
-    for pyc in cache.glob(f"{path.stem}.*.pyc"):
-        if pyc.name.split(".")[0] == path.stem:
-            with contextlib.suppress(FileNotFoundError):
-                pyc.unlink()
-    if had_ours:
-        with contextlib.suppress(py_compile.PyCompileError, SyntaxError, OSError):
-            py_compile.compile(
-                str(path), cfile=str(ours), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH
-            )
+__all__ = ["StateDir", "Transaction", "TransactionError", "Write", "describe_os_error", "record_hash", "sha256"]
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -110,13 +52,18 @@ def _read_only_fs(folder: Path) -> bool:
 
 @dataclass
 class Write:
-    """One file to change: its path in the root, the bytes it must have had, the new bytes."""
+    """One file to change: its path in the root, the bytes it must have now, the bytes it gets.
+
+    ``entries`` are the file's manifest entries once written (every patch on it; empty: the
+    file is back to its original and has none). ``after`` equal to ``before`` writes no
+    file, only the entries.
+    """
 
     relpath: str
     before: bytes
-    after: bytes  # equal to ``before``: no file write, only the manifest change
-    entry: mf.Entry | None  # recorded with the write; None for a revert, which drops ``drop``
-    drop: tuple[str, str] | None = None
+    after: bytes
+    entries: list[mf.Entry]
+    keep: bytes | None = None  # the file's original bytes, to keep for revert (None: kept already)
     record: str | None = None  # dist-info RECORD (relative to root) to keep in step
     displace: bool = False  # keep the bytes being overwritten (forced revert)
 
@@ -194,7 +141,13 @@ class Transaction:
                 if self.state.real_dir(folder):
                     stale += stale_temps(folder)
         wanted: dict[Path, set[str]] = {}
-        for rel in [*(e.path for e in manifest.entries), *(e.record or "" for e in manifest.entries), *relpaths]:
+        every = [*manifest.entries, *(e for i in manifest.intents for e in i.previous)]
+        for rel in [
+            *(e.path for e in every),
+            *(e.record or "" for e in every),
+            *(i.path for i in manifest.intents),
+            *relpaths,
+        ]:
             if rel:
                 with contextlib.suppress(TransactionError):
                     path = self.target(rel)
@@ -205,17 +158,17 @@ class Transaction:
 
     def needs_recovery(self, manifest: mf.Manifest, relpaths: Iterable[str] = ()) -> bool:
         """Whether an interrupted run left something for ``recover`` (checked without the lock)."""
-        return bool(manifest.interrupted()) or bool(self._stale_temps(manifest, list(relpaths)))
+        return manifest.was_interrupted() or bool(self._stale_temps(manifest, list(relpaths)))
 
     def recover(self, manifest: mf.Manifest, relpaths: Iterable[str] = ()) -> list[str]:
         """Finish what an interrupted run left: temp files, interrupted entries. Returns notes.
 
         Call under the lock with the manifest just read; saves it if it changed. For each
-        ``pending``/``reverting`` entry the file's bytes decide: the after-hash means the
-        replace happened (the entry is settled as applied), the before-hash means it did not
-        or was undone (the entry is dropped); either way the RECORD row and the bytecode are
-        made to match the bytes that are there. Other bytes: the entry is kept as applied,
-        so the file reads as drifted, as any file changed after patching does.
+        file write in flight (an ``Intent``) the file's bytes decide: the new bytes mean the
+        replace happened (the new entries stand), the old bytes mean it did not or was undone
+        (the file's previous entries are put back); either way the RECORD row and the
+        bytecode are made to match the bytes that are there. Other bytes: the new entries
+        stand, so the file reads as drifted, as any file changed after patching does.
         """
         notes: list[str] = []
         stale = self._stale_temps(manifest, relpaths)
@@ -228,32 +181,59 @@ class Transaction:
                 + ", ".join(str(p) for p in stale)
             )
 
-        settled = manifest.interrupted()
-        for entry in settled:
-            what = "apply" if entry.state == mf.PENDING else "revert"
-            try:
-                path = self.target(entry.path)
-                data: bytes | None = path.read_bytes()
-            except OSError:  # gone, unreadable, or leading out of the root: nothing of ours to finish
-                path, data = None, None
-            current = sha256(data) if data is not None else None
-            if path is not None and data is not None and current in (entry.sha256_after, entry.sha256_before):
-                self._sync_record(entry.record, entry.path, data)
-                refresh_bytecode(path)
-                if current == entry.sha256_after:
-                    entry.state = mf.APPLIED
-                    notes.append(f"settled an interrupted {what} of {entry.path}: its patched bytes are in place")
-                else:
-                    manifest.drop(entry.patch, entry.path)
-                    notes.append(f"settled an interrupted {what} of {entry.path}: its original bytes are in place")
-            else:
-                entry.state = mf.APPLIED
-                notes.append(
-                    f"an interrupted {what} left {entry.path} with bytes it did not write; it reads as changed"
-                )
-        if settled:
+        settled = bool(manifest.intents)
+        for intent in list(manifest.intents):
+            notes.append(self._settle(manifest, intent))
+        manifest.intents = []
+        legacy = manifest.interrupted()  # states an older fp32patch left, without an intent
+        for entry in legacy:
+            notes.append(self._settle_legacy(manifest, entry))
+        if settled or legacy:
             self.state.save(manifest)
         return notes
+
+    def _current(self, relpath: str) -> tuple[Path | None, bytes | None]:
+        try:
+            path = self.target(relpath)
+            return path, path.read_bytes()
+        except OSError:  # gone, unreadable, or leading out of the root: nothing of ours to finish
+            return None, None
+
+    def _settle(self, manifest: mf.Manifest, intent: mf.Intent) -> str:
+        """One interrupted file write: the file's bytes say which entries stand."""
+        path, data = self._current(intent.path)
+        current = sha256(data) if data is not None else None
+        if path is not None and data is not None and current in (intent.sha256_to, intent.sha256_from):
+            for entry in [*manifest.on(intent.path), *intent.previous]:
+                if entry.record:
+                    self._sync_record(entry.record, intent.path, data)
+                    break
+            refresh_bytecode(path)
+        if current == intent.sha256_from and intent.sha256_from != intent.sha256_to:
+            manifest.replace_path(intent.path, intent.previous)
+            for entry in intent.previous:
+                entry.state = mf.APPLIED
+            return f"settled an interrupted run on {intent.path}: the file has the bytes it had before, as recorded"
+        for entry in manifest.on(intent.path):
+            entry.state = mf.APPLIED
+        if current == intent.sha256_to:
+            return f"settled an interrupted run on {intent.path}: the new bytes are in place"
+        return f"an interrupted run left {intent.path} with bytes it did not write; it reads as changed"
+
+    def _settle_legacy(self, manifest: mf.Manifest, entry: mf.Entry) -> str:
+        what = "apply" if entry.state == mf.PENDING else "revert"
+        path, data = self._current(entry.path)
+        current = sha256(data) if data is not None else None
+        if path is not None and data is not None and current in (entry.sha256_after, entry.sha256_before):
+            self._sync_record(entry.record, entry.path, data)
+            refresh_bytecode(path)
+            if current == entry.sha256_after:
+                entry.state = mf.APPLIED
+                return f"settled an interrupted {what} of {entry.path}: its patched bytes are in place"
+            manifest.drop(entry.patch, entry.path)
+            return f"settled an interrupted {what} of {entry.path}: its original bytes are in place"
+        entry.state = mf.APPLIED
+        return f"an interrupted {what} left {entry.path} with bytes it did not write; it reads as changed"
 
     # -- commit
 
@@ -276,17 +256,18 @@ class Transaction:
         displaced = [self.state.displace(w.before) for w in writes if w.displace]
         kept_now: list[str] = []
         for w in writes:  # 1. every original is kept before anything changes
-            if w.entry is not None:
-                digest, stored = self.state.keep(w.before)
+            if w.keep is not None:
+                digest, stored = self.state.keep(w.keep)
                 if stored:
                     kept_now.append(digest)
         step()
-        for w in writes:  # 2. intent: the manifest names before/after of each file
-            if w.entry is not None:
-                w.entry.state = mf.PENDING
-                manifest.put(w.entry)
-            if w.drop is not None and (entry := manifest.find(*w.drop)) is not None:
-                entry.state = mf.REVERTING
+        for w in writes:  # 2. intent: the file's bytes before and after, its entries before and after
+            manifest.intents.append(
+                mf.Intent(w.relpath, sha256(w.before), sha256(w.after), [copy.copy(e) for e in manifest.on(w.relpath)])
+            )
+            for entry in w.entries:
+                entry.state = mf.PENDING
+            manifest.replace_path(w.relpath, w.entries)
         self.state.save(manifest)
         step()
 
@@ -302,10 +283,9 @@ class Transaction:
                 refresh_bytecode(path)
                 step()
             for w in writes:  # 4. settle the record (a failure here still undoes the files)
-                if w.entry is not None:
-                    w.entry.state = mf.APPLIED
-                if w.drop is not None:
-                    manifest.drop(*w.drop)
+                for entry in w.entries:
+                    entry.state = mf.APPLIED
+            manifest.intents = []
             self.state.save(manifest)
         except BaseException:
             self._rollback(done, previous, kept_now)

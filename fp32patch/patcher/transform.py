@@ -1,69 +1,76 @@
-"""One spec x one source text -> a result. Pure: bytes in, bytes out, never the disk.
+"""One spec x the texts of its files -> a result. Pure: bytes in, bytes out, never the disk.
 
-The result is ``applied`` (new bytes), ``already-applied`` (every edit's marker is there),
-``obsolete`` (an upstream fix is recognised), or an error: ``anchor-missing``,
-``anchor-ambiguous``, ``unsupported-version``, ``unparseable``, ``partially-applied``.
-New text is re-parsed and compiled before it is returned, and the file keeps its form:
-encoding declaration, byte-order mark, line endings, indentation and final newline.
+The result is ``applied`` (new bytes for the files it changes), ``already-applied`` (every
+edit's marker is there), ``obsolete`` (an upstream fix is recognised), or a refusal:
+``anchor-missing``, ``anchor-ambiguous``, ``unsupported-version``, ``unparseable``,
+``partially-applied``, ``undefined-name``, ``edit-failed``. New text is re-parsed,
+compiled and checked for names nothing defines before it is returned, and each file keeps
+its form: encoding declaration, byte-order mark, line endings, indentation, final newline.
+Any unexpected error while planning an edit becomes a refusal that names the patch and the
+edit: never a traceback.
+
+A spec over several files is planned as one: one variant for all of them (a release's
+files move together), every file's edits or none.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
-import io
-import tokenize
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
-from packaging.version import Version
 
 from fp32patch.patcher import ops
+from fp32patch.patcher.markers import markers_in
 from fp32patch.patcher.match import present
-from fp32patch.patcher.spec import Edit, Spec, Variant
-
-APPLIED = "applied"
-ALREADY_APPLIED = "already-applied"
-OBSOLETE = "obsolete"
-ERRORS = ("anchor-missing", "anchor-ambiguous", "unsupported-version", "unparseable", "partially-applied")
+from fp32patch.patcher.model import Edit, Pattern, Spec, Status, Variant
+from fp32patch.patcher.names import undefined_names
+from fp32patch.patcher.spec import parse_version
 
 _BOM = b"\xef\xbb\xbf"
+_UPGRADE_HINT = (
+    "The installed release changed the code this patch anchors on. Run `fp32patch check --against <its wheel "
+    "or checkout>` and look for an fp32patch release with a matching spec; nothing was written."
+)
 
 
 @dataclass
 class Result:
     spec_id: str
-    path: str
+    path: str  # the spec's first file, for messages
     version: str | None
-    status: str
-    new: bytes | None = None  # for "applied"
+    status: Status
+    files: dict[str, bytes] = field(default_factory=dict)  # "applied": relpath -> new bytes (changed files only)
     variant: str | None = None
     message: str = ""
     edits: list[str] = field(default_factory=list)  # edits performed
     skipped: list[str] = field(default_factory=list)  # edits already fixed upstream
-    anchor: str | None = None  # the anchor an error is about
+    anchor: str | None = None  # the anchor a refusal is about
 
     @property
     def ok(self) -> bool:
-        return self.status not in ERRORS
+        return not self.status.refused
+
+    @property
+    def new(self) -> bytes | None:
+        """The new bytes of the first file (a single-file spec's only file)."""
+        return self.files.get(self.path)
 
 
-def markers_in(text: str, spec_id: str) -> set[str]:
-    """The edits of ``spec_id`` whose marker comment is in ``text``.
+class _Refusal(Exception):
+    def __init__(self, status: Status, detail: str, *, anchor: str | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.anchor = status, detail, anchor
 
-    Only real comments on a line of their own count: marker-like text inside a string
-    (a docstring quoting a marker, say) must not make an unpatched file read as patched.
-    Text that does not tokenize (a broken file) is searched line by line instead.
-    """
-    try:
-        lines = [
-            tok.line
-            for tok in tokenize.generate_tokens(io.StringIO(text).readline)
-            if tok.type == tokenize.COMMENT and not tok.line[: tok.start[1]].strip()
-        ]
-    except (tokenize.TokenError, SyntaxError):
-        lines = [text]
-    return {m["edit"] for line in lines for m in ops.MARKER_RE.finditer(line) if m["spec"] == spec_id}
+
+@dataclass
+class _File:
+    path: str
+    text: str
+    bom: bool
+    module: cst.Module
 
 
 def _decode(source: bytes) -> tuple[str, bool]:
@@ -82,115 +89,204 @@ def _syntax_error(text: str, exc: cst.ParserSyntaxError) -> str:
     return f"Python parses it but libcst does not (line {exc.raw_line}: {exc.message})"
 
 
-def transform(spec: Spec, source: bytes, *, path: str, version: str | None) -> Result:
-    """Apply ``spec`` to ``source`` (the bytes of ``path`` in release ``version``)."""
-    from fp32patch.patcher.spec import parse_version
-
-    parsed_version = parse_version(version)
-
-    def result(status: str, **kw) -> Result:
-        return Result(spec_id=spec.id, path=path, version=version, status=status, **kw)
-
-    def refuse(status: str, detail: str, *, anchor: str | None = None, variant: str | None = None) -> Result:
-        release = (
-            f"{spec.target.distribution} {version}" if version else f"{spec.target.distribution} (version unknown)"
-        )
-        message = f"{spec.id}: cannot patch {path} ({release}): {detail}"
-        return result(status, message=message, anchor=anchor, variant=variant)
-
+def _parse(path: str, source: bytes) -> _File:
     try:
         text, bom = _decode(source)
     except UnicodeDecodeError as exc:
-        return refuse("unparseable", f"the file is not Python this tool can parse: it is not UTF-8 ({exc})")
+        raise _Refusal(
+            Status.UNPARSEABLE, f"{path} is not Python this tool can parse: it is not UTF-8 ({exc})"
+        ) from None
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        return refuse("unparseable", f"the file is not Python this tool can parse: {_syntax_error(text, exc)}")
+        detail = f"{path} is not Python this tool can parse: {_syntax_error(text, exc)}"
+        raise _Refusal(Status.UNPARSEABLE, detail) from None
+    return _File(path, text, bom, module)
+
+
+def transform(
+    spec: Spec, source: bytes | Mapping[str, bytes | None], *, path: str | None = None, version: str | None
+) -> Result:
+    """Apply ``spec`` to its files in release ``version``.
+
+    ``source`` maps each of the spec's paths to its bytes (None or absent: not there); a
+    single-file spec may pass the bytes alone (``path`` names them, default the spec's).
+    """
+    if isinstance(source, bytes):
+        shown = path or spec.target.path
+        by_name: dict[str, tuple[str, bytes | None]] = {spec.target.files[0][0]: (shown, source)}
+    else:
+        shown = spec.target.path
+        by_name = {name: (p, source.get(p)) for name, p in spec.target.files}
+    release = f"{spec.target.distribution} {version}" if version else f"{spec.target.distribution} (version unknown)"
+
+    def refuse(exc: _Refusal, variant: str | None = None) -> Result:
+        message = f"{spec.id}: cannot patch {shown} ({release}): {exc.detail}"
+        return Result(spec.id, shown, version, exc.status, message=message, anchor=exc.anchor, variant=variant)
+
+    try:
+        files = {name: _parse(p, data) for name, (p, data) in by_name.items() if data is not None}
+    except _Refusal as exc:
+        return refuse(exc)
+    try:
+        return _transform(spec, files, version, shown)
+    except _Refusal as exc:
+        return refuse(exc)
+    except Exception as exc:  # noqa: BLE001 - a bug in an operation must not escape as a traceback
+        return refuse(_Refusal(Status.EDIT_FAILED, f"planning failed: {type(exc).__name__}: {exc}"))
+
+
+def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: str) -> Result:
+    parsed_version = parse_version(version)
+
+    def result(status: Status, **kw) -> Result:
+        return Result(spec.id, shown, version, status, **kw)
 
     variants = spec.variants_for(parsed_version)
     if not variants:
-        return refuse(
-            "unsupported-version",
+        raise _Refusal(
+            Status.UNSUPPORTED,
             f"this patch supports {spec.target.distribution} {spec.target.versions or 'any'} "
             f"(variants: {', '.join(f'{v.name} {v.versions}' for v in spec.variants)})",
         )
 
-    found = markers_in(text, spec.id)
+    found = set().union(*(markers_in(f.text, spec.id) for f in files.values()))
     if found:
-        wanted = set(spec.edit_ids)
         # an edit skipped because upstream fixed that part leaves no marker, yet is done
-        if found >= wanted or any(
-            found | {e.id for e in v.edits if _fixed_upstream(module, e)} >= {e.id for e in v.edits} for v in variants
-        ):
-            return result(ALREADY_APPLIED, edits=sorted(found), message=f"{spec.id}: already applied to {path}")
-        return refuse(
-            "partially-applied",
+        for v in variants:
+            done = found | {e.id for e in v.edits if _fixed_upstream(files, e)}
+            if done >= {e.id for e in v.edits}:
+                return result(Status.ALREADY_APPLIED, edits=sorted(found), message=f"{spec.id}: already applied")
+        raise _Refusal(
+            Status.PARTIALLY_APPLIED,
             f"only some of the patch's markers are present ({', '.join(sorted(found))} of "
-            f"{', '.join(spec.edit_ids)}); restore the original file (reinstall the package) and apply again",
+            f"{', '.join(spec.edit_ids)}); restore the original files (reinstall the package) and apply again",
         )
 
+    first = spec.target.files[0][0]
     for fix in spec.obsolete_when:
-        if all(present(module, p) for p in fix.patterns):
-            return result(OBSOLETE, message=f"{spec.id}: not needed, {path} already has the upstream fix: {fix.name}")
+        if all(_present(files, p, p.file or first) for p in fix.patterns):
+            return result(
+                Status.OBSOLETE, message=f"{spec.id}: not needed, {shown} already has the upstream fix: {fix.name}"
+            )
 
     # A known version picks its variant; an unknown one takes the first whose anchors hold.
     errors: list[Result] = []
     for variant in variants:
-        outcome = _apply_variant(spec, variant, module, result, refuse)
-        if outcome.ok or parsed_version is not None:
-            if outcome.status == APPLIED:
-                assert outcome.new is not None
-                outcome.new = (_BOM if bom else b"") + outcome.new
-            return outcome
-        errors.append(outcome)
-    return errors[0]
+        try:
+            return _apply_variant(spec, variant, files, result)
+        except _Refusal as exc:
+            if parsed_version is not None or len(variants) == 1:
+                raise _Refusal(exc.status, exc.detail, anchor=exc.anchor) from None
+            errors.append(result(exc.status, message=exc.detail, anchor=exc.anchor, variant=variant.name))
+    raise _Refusal(errors[0].status, errors[0].message, anchor=errors[0].anchor)
 
 
-def _fixed_upstream(module: cst.Module, edit: Edit) -> bool:
+def _present(files: dict[str, _File], pattern: Pattern, default: str) -> bool:
+    f = files.get(pattern.file or default)
+    return f is not None and present(f.module, pattern)
+
+
+def _fixed_upstream(files: dict[str, _File], edit: Edit) -> bool:
     """Whether every ``skip_when`` pattern of ``edit`` holds: its part is fixed upstream."""
-    return bool(edit.skip_when) and all(present(module, p) for p in edit.skip_when)
+    return bool(edit.skip_when) and all(_present(files, p, edit.file) for p in edit.skip_when)
 
 
-def _apply_variant(spec: Spec, variant: Variant, module: cst.Module, result, refuse) -> Result:
-    changes: list[ops.Change] = []
-    performed, skipped = [], []
+def _apply_variant(spec: Spec, variant: Variant, files: dict[str, _File], result) -> Result:
+    changes: dict[str, list[ops.Change]] = {}
+    performed: dict[str, list[str]] = {}
+    skipped: list[str] = []
     for edit in variant.edits:
-        if _fixed_upstream(module, edit):
+        where = f"edit {edit.id} ({edit.op}, variant {variant.name})"
+        target = files.get(edit.file)
+        if target is None:
+            path = spec.target.path_of(edit.file)
+            raise _Refusal(
+                Status.ANCHOR_MISSING,
+                f"{where}: the file {path} is not there. {_UPGRADE_HINT}",
+                anchor=f"file {path}",
+            )
+        if _fixed_upstream(files, edit):
             skipped.append(edit.id)
             continue
         try:
-            changes += ops.OPERATIONS[edit.op].plan(module, edit, spec.id)
+            changes.setdefault(edit.file, []).extend(ops.PLANNERS[edit.op].plan(target.module, edit, spec.id))
         except ops.AnchorError as exc:
-            hint = (
-                "The installed release changed the code this patch anchors on. Run "
-                "`fp32patch check --against <its wheel>` and look for an fp32patch release with a "
-                "matching spec; nothing was written."
-            )
-            return refuse(
-                exc.code,
-                f"edit {edit.id} ({edit.op}, variant {variant.name}): {exc.detail}. {hint}",
-                anchor=edit.anchor.describe(),
-                variant=variant.name,
-            )
-        performed.append(edit.id)
+            in_file = f" in {target.path}" if len(spec.target.files) > 1 else ""
+            hint = "" if exc.code == Status.EDIT_FAILED else f" {_UPGRADE_HINT}"
+            raise _Refusal(
+                Status(exc.code), f"{where}{in_file}: {exc.detail}.{hint}", anchor=edit.anchor.describe()
+            ) from None
+        except Exception as exc:  # noqa: BLE001
+            raise _Refusal(Status.EDIT_FAILED, f"{where}: planning failed: {type(exc).__name__}: {exc}") from None
+        performed.setdefault(edit.file, []).append(edit.id)
     if not performed:
         return result(
-            OBSOLETE, variant=variant.name, skipped=skipped, message=f"{spec.id}: every part is already fixed upstream"
+            Status.OBSOLETE,
+            variant=variant.name,
+            skipped=skipped,
+            message=f"{spec.id}: every part is already fixed upstream",
         )
-    try:
-        new_module = ops.apply_changes(module, changes)
-    except ValueError as exc:
-        return refuse("anchor-ambiguous", str(exc), variant=variant.name)
-    new_text = new_module.code
-    _check_output(new_text, spec, variant, performed)
+    new_files: dict[str, bytes] = {}
+    for name, file_changes in changes.items():
+        f = files[name]
+        try:
+            new_module = ops.apply_changes(f.module, file_changes)
+        except ValueError as exc:
+            raise _Refusal(Status.ANCHOR_AMBIGUOUS, f"{f.path}: {exc}") from None
+        _check_output(new_module.code, spec, variant, performed[name])
+        missing = undefined_names(f.module, new_module)
+        if missing:
+            raise _Refusal(Status.UNDEFINED_NAME, _undefined_message(spec, variant, performed[name], f.path, missing))
+        new_files[f.path] = (_BOM if f.bom else b"") + new_module.code.encode("utf-8")
+    edits = [e for names in performed.values() for e in names]
     return result(
-        APPLIED,
-        new=new_text.encode("utf-8"),
+        Status.APPLIED,
+        files=new_files,
         variant=variant.name,
-        edits=performed,
+        edits=edits,
         skipped=skipped,
-        message=f"{spec.id}: {len(performed)} edit(s) to apply",
+        message=f"{spec.id}: {len(edits)} edit(s) to apply",
     )
+
+
+def _undefined_message(spec: Spec, variant: Variant, performed: list[str], path: str, missing: list[str]) -> str:
+    """Which edit uses the name, and which edit of the spec would define it (the gate, usually)."""
+    edits = {e.id: e for e in variant.edits}
+    parts = []
+    for name in missing:
+        users = [i for i in performed if name in _names_in(edits[i].code)] or performed
+        definers = [e.id for v in spec.variants for e in v.edits if name in _defined_in(e.code)]
+        hint = f"; edit {definers[0]} defines it: add it to the spec" if definers else ""
+        parts.append(f"edit {', '.join(dict.fromkeys(users))} uses {name!r}, which nothing in {path} defines{hint}")
+    return "; ".join(parts) + " (the patched file would raise NameError); nothing was written"
+
+
+def _names_in(code: str) -> set[str]:
+    try:
+        tree = ast.parse(code.replace("${call_args}", "_call_args"))
+    except SyntaxError:
+        try:
+            tree = ast.parse("try:\n    pass\n" + code.strip("\n"))
+        except SyntaxError:
+            return set()
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def _defined_in(code: str) -> set[str]:
+    try:
+        tree = ast.parse(code.replace("${call_args}", "_call_args"))
+    except SyntaxError:
+        return set()
+    out = set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            out |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in stmt.names}
+    return out
 
 
 def _check_output(text: str, spec: Spec, variant: Variant, performed: list[str]) -> None:
@@ -205,7 +301,3 @@ def unified_diff(before: bytes, after: bytes, path: str, *, labels: tuple[str, s
     old = before.decode("utf-8", "replace").splitlines(keepends=True)
     new = after.decode("utf-8", "replace").splitlines(keepends=True)
     return "".join(difflib.unified_diff(old, new, f"{labels[0]}/{path}", f"{labels[1]}/{path}"))
-
-
-def version_label(version: Version | None) -> str:
-    return str(version) if version is not None else "unknown"

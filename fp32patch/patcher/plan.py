@@ -1,0 +1,221 @@
+"""What a command works on: import roots -> the specs found in each -> their files, in order.
+
+Every command starts here. ``targets`` finds each selected spec in each import root (or
+not: ``not-installed``); ``RootPlan`` groups the found ones by the root their files are in
+(where the state and the lock live), reads each file once, and ``chain`` runs the specs
+over those bytes in order, so several specs on one file form one chain of transforms: the
+second sees the first's output, and the file is written once with both.
+
+Nothing here writes; ``transform`` is imported only when a chain is computed, so commands
+that only compare hashes (``verify`` on a patched root) never import libcst.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fp32patch.patcher import manifest as mf
+from fp32patch.patcher.locate import Located, LocateError, check_root, locate
+from fp32patch.patcher.model import Spec, Status
+from fp32patch.patcher.report import Outcome, UsageError
+from fp32patch.patcher.spec import SpecError, load_specs
+from fp32patch.patcher.state import StateDir, sha256
+
+if TYPE_CHECKING:
+    from fp32patch.patcher.transform import Result
+
+
+def select_specs(ids: Sequence[str], spec_dir: Path | None = None) -> list[Spec]:
+    try:
+        specs = load_specs(spec_dir)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    if not ids:
+        return specs
+    known = {s.id: s for s in specs}
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise UsageError(f"unknown patch id {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    return [known[i] for i in dict.fromkeys(ids)]
+
+
+def roots(given: Sequence[Path], envs: Sequence[Path] = ()) -> list[tuple[Path, Path | None]]:
+    """Each import root to work on, with the environment it was found in (``--envs``), once each.
+
+    ``-s`` roots come first, as given; then the site-packages of every environment under
+    each ``--envs`` folder. Without either, the running interpreter's site-packages.
+    """
+    from fp32patch.patcher.envs import find_environments
+    from fp32patch.patcher.locate import default_roots
+
+    pairs: list[tuple[Path, Path | None]] = [(Path(r), None) for r in given or ([] if envs else default_roots())]
+    for folder in envs:
+        folder = Path(folder).absolute()
+        if not folder.is_dir():
+            raise UsageError(f"--envs {folder}: {'does not exist' if not folder.exists() else 'is not a folder'}")
+        found = find_environments(folder)
+        if not any(sps for _, sps in found):
+            raise UsageError(
+                f"--envs {folder}: no Python environment under it (a folder with pyvenv.cfg or conda-meta/ "
+                "and lib/python3.*/site-packages)"
+            )
+        pairs += [(sp, env) for env, sps in found for sp in sps]
+    out: dict[Path, Path | None] = {}
+    for root, env in pairs:
+        try:
+            resolved = check_root(root)
+        except LocateError as exc:
+            raise UsageError(str(exc)) from None
+        if resolved not in out or env is not None:
+            out[resolved] = env if env is not None else out.get(resolved)
+    return list(out.items())
+
+
+@dataclass
+class Target:
+    """One spec looked for in one import root."""
+
+    spec: Spec
+    searched: Path
+    located: Located | None
+    env: Path | None = None
+
+    def outcome(self, status: Status | str, **kw) -> Outcome:
+        loc = self.located
+        return Outcome(
+            patch=self.spec.id,
+            status=status,
+            root=str(self.searched),
+            target=self.spec.target.label,
+            version=loc.version if loc else None,
+            path=str(loc.path) if loc else None,
+            env=str(self.env) if self.env else None,
+            **kw,
+        )
+
+    def not_installed(self) -> Outcome:
+        return self.outcome(Status.NOT_INSTALLED, message=f"{self.spec.target.label} is not in {self.searched}")
+
+
+def targets(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] = ()) -> list[Target]:
+    out = []
+    for root, env in roots(given, envs):
+        for spec in specs:
+            try:
+                out.append(Target(spec, root, locate(spec, root), env))
+            except LocateError as exc:
+                raise UsageError(str(exc)) from None
+    return out
+
+
+def searched_order(ts: Sequence[Target]) -> list[str]:
+    return [str(t.searched) for t in ts]
+
+
+def load_manifest(root: Path) -> mf.Manifest:
+    try:
+        return StateDir(root).load()
+    except mf.ManifestError as exc:
+        raise UsageError(
+            f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over "
+            "(files patched under it then read as drifted or not-applied)"
+        ) from None
+
+
+def read(path: Path) -> bytes | None:
+    """A file's bytes; None when it is not there."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
+@dataclass
+class RootPlan:
+    """The found specs whose files are in one root, that root's manifest, and its files' bytes."""
+
+    root: Path
+    targets: list[Target]
+    manifest: mf.Manifest
+    files: dict[str, bytes | None] = field(default_factory=dict)  # relpath -> bytes now
+
+    @classmethod
+    def build(cls, root: Path, ts: list[Target], manifest: mf.Manifest | None = None) -> RootPlan:
+        plan = cls(root, ts, manifest if manifest is not None else load_manifest(root))
+        plan.reload()
+        return plan
+
+    def reload(self) -> None:
+        self.files = {p: read(self.root / p) for t in self.targets for p in t.spec.target.paths}
+
+    def version_of(self, spec: Spec) -> str | None:
+        return next((t.located.version for t in self.targets if t.spec.id == spec.id and t.located), None)
+
+    def chain(
+        self, specs: Sequence[Spec], start: dict[str, bytes | None] | None = None
+    ) -> tuple[dict[str, Result], dict[str, bytes | None]]:
+        """Run ``specs`` in order over the files (``start``, default their bytes now).
+
+        Returns each spec's result and the files' bytes after the chain.
+        """
+        from fp32patch.patcher.transform import transform
+
+        current = dict(self.files if start is None else start)
+        results: dict[str, Result] = {}
+        for spec in specs:
+            result = transform(spec, {p: current.get(p) for p in spec.target.paths}, version=self.version_of(spec))
+            results[spec.id] = result
+            if result.status == Status.APPLIED:
+                current.update(result.files)
+        return results, current
+
+    def record_rel(self, spec: Spec) -> str | None:
+        """The RECORD kept in step with the spec's files: its distribution's, when inside the root."""
+        t = next((t for t in self.targets if t.spec.id == spec.id and t.located), None)
+        loc = t.located if t else None
+        record = loc.distribution.record if loc and loc.distribution else None
+        if record is not None and record.is_relative_to(self.root):
+            return record.relative_to(self.root).as_posix()
+        return None
+
+    def entry(self, spec: Spec, relpath: str, original: str, after: bytes, variant: str | None) -> mf.Entry:
+        return mf.Entry(
+            patch=spec.id,
+            path=relpath,
+            spec_sha256=spec.sha256,
+            distribution=spec.target.distribution,
+            version=self.version_of(spec),
+            variant=variant,
+            sha256_before=original,
+            sha256_after=sha256(after),
+            mode=os.stat(self.root / relpath).st_mode & 0o7777,
+            record=self.record_rel(spec),
+            applied_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        )
+
+
+def entries_after(entries: list[mf.Entry], original: str, after: bytes) -> list[mf.Entry]:
+    """Copies of a file's entries that now say: this original, these bytes after."""
+    out = []
+    for e in entries:
+        e = copy.copy(e)
+        e.sha256_before, e.sha256_after = original, sha256(after)
+        out.append(e)
+    return out
+
+
+def by_root(ts: Sequence[Target]) -> dict[Path, list[Target]]:
+    """Found targets grouped by the root their files are in (where its state and lock live)."""
+    groups: dict[Path, list[Target]] = {}
+    for t in ts:
+        if t.located is not None:
+            groups.setdefault(t.located.root, []).append(t)
+    return groups

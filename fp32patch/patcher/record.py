@@ -1,0 +1,41 @@
+"""The dist-info ``RECORD`` row of a patched file: its hash and size, kept in step with its bytes.
+
+Only the target's row changes; every other byte (order, quoting, line endings) stays, so
+a revert gives back the RECORD it found.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+
+
+def record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def rewrite_record(record: bytes, relpath: str, data: bytes) -> bytes | None:
+    """RECORD with ``relpath``'s row set to ``data``'s hash and size; None if it has no row.
+
+    Only that row's text changes: every other byte (order, quoting, line endings) stays,
+    so a revert gives back the RECORD it found. A RECORD that is not UTF-8 CSV is left alone.
+    """
+    try:
+        lines = record.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return None
+    hit = False
+    for i, line in enumerate(lines):
+        body = line.rstrip("\r\n")
+        try:
+            row = next(csv.reader([body]), [])
+        except csv.Error:
+            continue
+        if row and row[0] == relpath:
+            out = io.StringIO()
+            csv.writer(out, lineterminator="").writerow([row[0], record_hash(data), str(len(data)), *row[3:]])
+            lines[i] = out.getvalue() + line[len(body) :]
+            hit = True
+    return "".join(lines).encode("utf-8") if hit else None

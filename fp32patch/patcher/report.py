@@ -1,0 +1,132 @@
+"""What commands return: one ``Outcome`` per patch and import root, gathered in a ``Report``.
+
+The engine returns these values and the CLI renders them (a table, or ``--json``). Exit
+codes: 0 success, 1 ``verify`` found a problem, 2 bad usage or input (nothing written),
+3 a patch cannot be applied or reverted (nothing written).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fp32patch.patcher.model import Status
+
+EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+
+
+class UsageError(ValueError):
+    """Bad usage or bad input: exit 2, nothing written."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """The roots and spec folder a command was given, so a printed next command runs as is."""
+
+    roots: tuple[Path, ...] = ()
+    envs: tuple[Path, ...] = ()
+    spec_dir: Path | None = None
+
+    def command(self, verb: str, *extra: str, patch: str | None = None) -> str:
+        words = ["fp32patch", verb]
+        for root in self.roots:
+            words += ["-s", str(root)]
+        for env in self.envs:
+            words += ["--envs", str(env)]
+        if self.spec_dir is not None:
+            words += ["--specs", str(self.spec_dir)]
+        if patch:
+            words += ["--patch", patch]
+        return shlex.join([*words, *extra])
+
+
+@dataclass
+class Outcome:
+    """One patch in one import root: what was found or done."""
+
+    patch: str
+    status: Status | str
+    root: str
+    target: str  # "<distribution>:<first path in root>"
+    version: str | None = None
+    path: str | None = None  # absolute path of the (first) file, when installed
+    message: str = ""
+    variant: str | None = None
+    diff: str | None = None
+    details: dict = field(default_factory=dict)
+    env: str | None = None  # the environment (from --envs) this root belongs to
+
+    def to_json(self) -> dict:
+        out = {
+            "id": self.patch,
+            "status": str(self.status),
+            "target": self.target,
+            "version": self.version,
+            "path": self.path,
+            "root": self.root,
+        }
+        if self.env:
+            out["env"] = self.env
+        if self.variant:
+            out["variant"] = self.variant
+        if self.message:
+            out["message"] = self.message
+        out.update(self.details)
+        return out
+
+
+@dataclass
+class Report:
+    command: str
+    outcomes: list[Outcome]
+    exit_code: int
+    notes: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # more top-level JSON fields (check: the candidate)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    def by_root(self) -> list[dict]:
+        """Per import root, how many patches have each status (roots in the order reported)."""
+        roots: dict[str, dict] = {}
+        for o in self.outcomes:
+            # a not-installed line folded over several roots names them joined by os.pathsep
+            for root in o.root.split(os.pathsep) if o.status == Status.NOT_INSTALLED else [o.root]:
+                row = roots.setdefault(root, {"root": root, **({"env": o.env} if o.env else {}), "statuses": {}})
+                key = str(o.status)
+                row["statuses"][key] = row["statuses"].get(key, 0) + 1
+        return list(roots.values())
+
+    def to_json(self) -> dict:
+        data = {"ok": self.ok, "command": self.command, **self.extra, "patches": [o.to_json() for o in self.outcomes]}
+        data["roots"] = self.by_root()
+        if self.notes:
+            data["notes"] = self.notes
+        return data
+
+
+def fold_not_installed(outcomes: list[Outcome], order: Sequence[str]) -> list[Outcome]:
+    """A patch found in some root need not be listed as missing from the others.
+
+    Environments found by --envs are each reported for every patch found in any of them (the
+    report is per root), in the order the roots were given (``-s`` first, then each environment
+    in path order); a patch found nowhere is one line, as for ``-s``.
+    """
+    rank = {root: i for i, root in reversed(list(enumerate(order)))}
+    outcomes = sorted(outcomes, key=lambda o: rank.get(o.root, len(rank)))
+    found = {o.patch for o in outcomes if o.status != Status.NOT_INSTALLED}
+    kept: list[Outcome] = []
+    missing: dict[str, Outcome] = {}
+    for o in outcomes:
+        if o.status != Status.NOT_INSTALLED or (o.env and o.patch in found):
+            kept.append(o)
+        elif o.patch not in found and o.patch not in missing:
+            missing[o.patch] = o
+        elif o.patch in missing:
+            missing[o.patch].root += os.pathsep + o.root
+            missing[o.patch].env = None  # several roots now, not one environment
+    return kept + list(missing.values())

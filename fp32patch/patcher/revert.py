@@ -1,0 +1,277 @@
+"""``revert``: put back the exact original bytes, from the manifest and the kept originals.
+
+A revert needs no spec: the manifest says which files a patch changed and the hash of
+each file's original, and the original bytes are kept by hash. So a patch applied with
+``--specs`` is reverted without them. Where other patches share a file with the one being
+reverted, their edits are computed again from the original (their specs are needed then),
+so the file ends as if only they had been applied. A file changed since it was patched is
+refused unless ``--force``, which keeps the changed bytes in the state folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from fp32patch.patcher import manifest as mf
+from fp32patch.patcher.apply import write_error
+from fp32patch.patcher.locate import LocateError
+from fp32patch.patcher.model import Spec, Status
+from fp32patch.patcher.plan import (
+    RootPlan,
+    Target,
+    entries_after,
+    load_manifest,
+    read,
+    select_specs,
+)
+from fp32patch.patcher.plan import (
+    roots as find_roots,
+)
+from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, Invocation, Outcome, Report, UsageError
+from fp32patch.patcher.spec import load_specs
+from fp32patch.patcher.state import StateDir, sha256
+from fp32patch.patcher.transaction import Transaction, TransactionError, Write
+
+
+class _Refused(Exception):
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def revert(
+    ids: Sequence[str],
+    roots: Sequence[Path],
+    *,
+    force: bool = False,
+    spec_dir: Path | None = None,
+    envs: Sequence[Path] = (),
+) -> Report:
+    """Restore the original bytes of every file the selected patches changed (sha256-checked)."""
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir)
+    specs = {s.id: s for s in _loaded(spec_dir)}
+    unknown = [i for i in ids if i not in specs]
+    if unknown:
+        select_specs(ids, spec_dir)  # raises UsageError naming them, unless a manifest records them below
+    found = _state_roots(list(specs.values()), roots, envs)
+    if unknown and not any(e.patch in unknown for root in found for e in load_manifest(root).entries):
+        select_specs(ids, spec_dir)
+    outcomes: list[Outcome] = []
+    notes: list[str] = []
+    refused = False
+    for root, (env, ts) in found.items():
+        done, more, bad = _revert_root(root, env, ts, ids, specs, force, inv)
+        outcomes += done
+        notes += more
+        refused |= bad
+    if not outcomes:
+        return Report("revert", [], EXIT_OK, notes=["nothing to revert: no patched target found"])
+    if refused:
+        notes.append(
+            "nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"
+        )
+    return Report("revert", outcomes, EXIT_REFUSED if refused else EXIT_OK, notes=notes)
+
+
+def _loaded(spec_dir: Path | None) -> list[Spec]:
+    try:
+        return load_specs(spec_dir)
+    except Exception as exc:  # noqa: BLE001 - SpecError: bad input
+        raise UsageError(str(exc)) from None
+
+
+def _state_roots(
+    specs: list[Spec], roots: Sequence[Path], envs: Sequence[Path]
+) -> dict[Path, tuple[Path | None, list[Target]]]:
+    """Every root that may hold state: each searched root, and where each found spec's files live."""
+    from fp32patch.patcher.locate import locate
+
+    out: dict[Path, tuple[Path | None, list[Target]]] = {}
+    for root, env in find_roots(roots, envs):
+        out.setdefault(root, (env, []))
+        for spec in specs:
+            try:
+                located = locate(spec, root)
+            except LocateError as exc:
+                raise UsageError(str(exc)) from None
+            if located is not None:
+                out.setdefault(located.root, (env, []))[1].append(Target(spec, root, located, env))
+    return out
+
+
+def _outcome(root: Path, env: Path | None, t: Target | None, entry: mf.Entry, status: Status, message: str) -> Outcome:
+    if t is not None:
+        return t.outcome(status, message=message)
+    return Outcome(
+        patch=entry.patch,
+        status=status,
+        root=str(root),
+        target=f"{entry.distribution}:{entry.path}",
+        version=entry.version,
+        path=str(root / entry.path),
+        message=message,
+        env=str(env) if env else None,
+    )
+
+
+def _revert_root(
+    root: Path,
+    env: Path | None,
+    ts: list[Target],
+    ids: Sequence[str],
+    specs: dict[str, Spec],
+    force: bool,
+    inv: Invocation,
+) -> tuple[list[Outcome], list[str], bool]:
+    state = StateDir(root)
+    peek = load_manifest(root)
+    wanted = list(ids) or list({**dict.fromkeys(e.patch for e in peek.entries), **{t.spec.id: None for t in ts}})
+    by_id = {t.spec.id: t for t in ts}
+    tx = Transaction(root)
+    relpaths = [p for t in ts for p in t.spec.target.paths]
+    recorded = {e.patch for e in peek.entries}
+    if not (recorded & set(wanted)) and not tx.needs_recovery(peek, relpaths):
+        why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
+        return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], [], False
+    try:
+        tx.check_writable(relpaths + [e.path for e in peek.entries], [e.record for e in peek.entries])
+        with state.lock():
+            manifest = load_manifest(root)
+            notes = tx.recover(manifest, relpaths)
+            outcomes, writes, displaced_for = _plan(root, env, manifest, wanted, by_id, specs, force, state, inv)
+            if any(o.status in (Status.DRIFTED, Status.ERROR) for o in outcomes):
+                for o in outcomes:
+                    if o.status == Status.REVERTED:  # planned, not written: it is still what it was
+                        o.status = Status.DRIFTED if o.details.get("forced") else Status.APPLIED
+                        o.message = "not reverted: another file in this root was refused"
+                return outcomes, notes, True
+            displaced = tx.commit(writes, manifest) if writes else []
+            for o in outcomes:
+                mine = [
+                    p
+                    for w, p in zip([w for w in writes if w.displace], displaced, strict=True)
+                    if w.relpath in displaced_for.get(o.patch, ())
+                ]
+                if mine:
+                    o.details["displaced"] = [str(p) for p in mine]
+                    o.message += f"; the changed file is kept at {', '.join(map(str, mine))}"
+            return outcomes, notes, False
+    except OSError as exc:
+        raise write_error(root, exc) from None
+
+
+def _plan(
+    root: Path,
+    env: Path | None,
+    manifest: mf.Manifest,
+    wanted: list[str],
+    by_id: dict[str, Target],
+    specs: dict[str, Spec],
+    force: bool,
+    state: StateDir,
+    inv: Invocation,
+) -> tuple[list[Outcome], list[Write], dict[str, set[str]]]:
+    selected = [i for i in wanted if any(e.patch == i for e in manifest.entries)]
+    outcomes = [
+        by_id[i].outcome(Status.NOT_APPLIED, message="not recorded as patched in this root")
+        for i in wanted
+        if i not in selected and i in by_id
+    ]
+    if not selected:
+        return outcomes, [], {}
+    # the files to rewrite: those of the selected patches, and of every patch sharing one of them
+    paths = {e.path for e in manifest.entries if e.patch in selected}
+    while True:
+        keep = {e.patch for e in manifest.entries if e.path in paths and e.patch not in selected}
+        more = {e.path for e in manifest.entries if e.patch in keep} - paths
+        if not more:
+            break
+        paths |= more
+    files = {p: read(root / p) for p in sorted(paths)}
+    missing = [k for k in keep if k not in specs]
+    if missing:
+        entry = next(e for e in manifest.entries if e.patch in selected)
+        message = (
+            f"cannot revert {', '.join(selected)} alone: {', '.join(missing)} also patches "
+            f"{', '.join(sorted({e.path for e in manifest.entries if e.patch in missing} & paths))} and its spec is "
+            f"not loaded; run `{inv.command('revert')}` to revert every patch here, or load its spec with --specs"
+        )
+        return outcomes + [_outcome(root, env, by_id.get(i), entry, Status.ERROR, message) for i in selected], [], {}
+
+    verdicts: dict[str, tuple[Status, str, bool]] = {}
+    originals: dict[str, bytes | None] = {}
+    for path, data in files.items():
+        on = manifest.on(path)
+        lead = on[0]
+        current = sha256(data) if data is not None else None
+        if current == lead.sha256_before:
+            originals[path] = data
+            continue
+        try:
+            originals[path] = state.original(lead.sha256_before)
+        except TransactionError as exc:
+            for e in on:
+                verdicts[e.patch] = (Status.ERROR, f"cannot revert: {exc.strerror}", False)
+            continue
+        if current != lead.sha256_after:
+            for e in on:
+                if force:
+                    verdicts.setdefault(e.patch, (Status.REVERTED, "", True))
+                else:
+                    msg = (
+                        f"{root / path} changed since it was patched (sha256 {(current or 'missing')[:12]}, recorded "
+                        f"{lead.sha256_after[:12]}); `{inv.command('revert', '--force', patch=e.patch)}` restores the "
+                        "original and keeps the changed file in the state folder"
+                    )
+                    verdicts[e.patch] = (Status.DRIFTED, msg, False)
+
+    # the patches that stay, run again from the originals
+    plan = RootPlan(root, [by_id.get(k) or Target(specs[k], root, None) for k in keep], manifest)
+    plan.files = dict(files)
+    staying = [s for s in specs.values() if s.id in keep]
+    start = dict(originals)
+    for spec in staying:  # a file of theirs that no entry names (nothing to change there) is read as it is
+        for p in spec.target.paths:
+            if p not in start:
+                start[p] = read(root / p)
+    results, final = plan.chain(staying, start=start) if staying else ({}, start)
+    for k, r in results.items():
+        if r.status != Status.APPLIED:
+            for i in selected:
+                verdicts[i] = (Status.ERROR, f"cannot keep {k} while reverting {i}: {r.message or r.status}", False)
+
+    writes: list[Write] = []
+    displaced_for: dict[str, set[str]] = {}
+    for path, data in files.items():
+        after = final.get(path)
+        if data is None or after is None:
+            continue
+        lead = manifest.on(path)[0]
+        entries = entries_after([e for e in manifest.on(path) if e.patch in keep], lead.sha256_before, after)
+        forced = sha256(data) not in (lead.sha256_after, lead.sha256_before)
+        record = next((e.record for e in manifest.on(path) if e.record), None)
+        writes.append(
+            Write(path, data, after, entries if after != originals[path] else [], record=record, displace=forced)
+        )
+        if forced:
+            for e in manifest.on(path):
+                displaced_for.setdefault(e.patch, set()).add(path)
+    for i in selected:
+        entry = next(e for e in manifest.entries if e.patch == i)
+        status, message, forced = verdicts.get(i, (Status.REVERTED, "", False))
+        if status == Status.REVERTED:
+            mine = [e for e in manifest.entries if e.patch == i]
+            if all(sha256(files[e.path] or b"") == e.sha256_before for e in mine):
+                status, message = Status.NOT_APPLIED, "already the original bytes; record cleared"
+            elif keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}}:
+                others = sorted(keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}})
+                message = (
+                    f"removed its edits (sha256 of the original {entry.sha256_before[:12]}); kept {', '.join(others)}"
+                )
+            else:
+                message = f"restored the original bytes (sha256 {entry.sha256_before[:12]})"
+        out = _outcome(root, env, by_id.get(i), entry, status, message)
+        out.details["forced"] = forced
+        outcomes.append(out)
+    return outcomes, writes, displaced_for

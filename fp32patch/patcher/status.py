@@ -1,0 +1,185 @@
+"""``verify`` and ``status``: each patch's state in each import root, from the files' bytes.
+
+A patch whose files hash as the manifest recorded is decided without parsing anything;
+only a file that is not recorded (or no longer matches) is run through ``transform`` to
+tell ``not-applied`` from ``obsolete``, ``already-applied`` and the rest. Manifest entries
+whose spec is not loaded are reported too (``spec-not-loaded``), never skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from fp32patch.patcher import manifest as mf
+from fp32patch.patcher.markers import markers_in
+from fp32patch.patcher.model import VERIFY_OK, Status
+from fp32patch.patcher.plan import (
+    RootPlan,
+    Target,
+    by_root,
+    load_manifest,
+    searched_order,
+    select_specs,
+    targets,
+)
+from fp32patch.patcher.report import EXIT_OK, EXIT_VERIFY, Invocation, Outcome, Report, fold_not_installed
+from fp32patch.patcher.state import StateDir, sha256
+
+
+def _interrupted(plan: RootPlan, t: Target) -> str | None:
+    """ "pending"/"reverting" when a killed run left a write of this patch's files in flight."""
+    for path in t.spec.target.paths:
+        intent = plan.manifest.intent(path)
+        if intent is not None:
+            return "pending" if plan.manifest.find(t.spec.id, path) else "reverting"
+        entry = plan.manifest.find(t.spec.id, path)
+        if entry is not None and entry.state != mf.APPLIED:
+            return entry.state
+    return None
+
+
+def classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
+    """The verify/status verdict for one found patch: its files' bytes decide.
+
+    An entry left by an interrupted run reads like any other (its hashes say which side of
+    the replace the file is on), with a note that the next apply or revert settles what may
+    lag behind (RECORD row, bytecode, the manifest itself).
+    """
+    outcome = _classify(plan, t, inv)
+    state = _interrupted(plan, t)
+    if state is not None:
+        what = "apply" if state == "pending" else "revert"
+        note = f"an fp32patch {what} was interrupted here; the next apply or revert settles it"
+        outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        outcome.details["interrupted"] = state
+    return outcome
+
+
+def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
+    spec = t.spec
+    first = plan.files.get(spec.target.path) or b""
+    details: dict = {"sha256": sha256(first)}
+    entries = {p: e for p in spec.target.paths if (e := plan.manifest.find(spec.id, p)) is not None}
+    details["recorded"] = bool(entries)
+    if len(spec.target.files) > 1:
+        details["files"] = [
+            {
+                "path": p,
+                "sha256": sha256(data) if (data := plan.files.get(p)) is not None else None,
+                "recorded": p in entries,
+            }
+            for p in spec.target.paths
+        ]
+    lead = next(iter(entries.values()), None)
+    if lead is not None:
+        details.update(sha256_before=lead.sha256_before, sha256_after=lead.sha256_after)
+    verdicts = {p: _file_verdict(plan.files.get(p), e, spec.id) for p, e in entries.items()}
+    if entries and all(v == "ok" for v in verdicts.values()):
+        if lead is not None and lead.spec_sha256 != spec.sha256:
+            message = (
+                f"applied by an earlier version of this spec (recorded spec sha256 {lead.spec_sha256[:12]}, "
+                f"this fp32patch's is {spec.sha256[:12]}); run `{inv.command('revert', patch=spec.id)}` then "
+                f"`{inv.command('apply', patch=spec.id)}`"
+            )
+            return t.outcome(Status.OUTDATED, variant=lead.variant, details=details, message=message)
+        return t.outcome(Status.APPLIED, variant=lead.variant if lead else None, details=details)
+    drifted = [p for p, v in verdicts.items() if v == "drifted"]
+    if drifted:
+        p = drifted[0]
+        current = sha256(plan.files.get(p) or b"")
+        message = f"{plan.root / p} changed after it was patched (sha256 {current[:12]}, recorded {entries[p].sha256_after[:12]})"
+        return t.outcome(Status.DRIFTED, variant=entries[p].variant, details=details, message=message)
+
+    results, _ = plan.chain([spec])
+    result = results[spec.id]
+    if result.status == Status.ALREADY_APPLIED:
+        note = "applied, but no record of it in this root's manifest: hashes cannot be checked"
+        return t.outcome(Status.APPLIED, details=details, message=note)
+    if result.status in (Status.OBSOLETE, Status.UNSUPPORTED):
+        return t.outcome(result.status, details=details, message=result.message)
+    if result.status == Status.PARTIALLY_APPLIED:
+        return t.outcome(Status.DRIFTED, details=details, message=result.message)
+    message = "" if result.ok else f"and it cannot be applied: {result.message}"
+    if entries:
+        message = f"the file was replaced since it was patched (reinstalled or upgraded?) {message}".strip()
+    details["applicable"] = result.ok
+    return t.outcome(Status.NOT_APPLIED, details=details, message=message)
+
+
+def _file_verdict(data: bytes | None, entry: mf.Entry, spec_id: str) -> str:
+    """ "ok" (the recorded bytes), "drifted" (our markers, other bytes), or "replaced"."""
+    if data is None:
+        return "replaced"
+    current = sha256(data)
+    if current == entry.sha256_after:
+        return "ok"
+    if current != entry.sha256_before and markers_in(data.decode("utf-8", "replace"), spec_id):
+        return "drifted"
+    return "replaced"
+
+
+def unloaded(root: Path, manifest: mf.Manifest, loaded: set[str], inv: Invocation, env: Path | None) -> list[Outcome]:
+    """Patches the manifest records that no loaded spec defines: reported, never skipped."""
+    out: dict[str, Outcome] = {}
+    for e in manifest.entries:
+        if e.patch in loaded or e.patch in out:
+            continue
+        message = (
+            f"recorded as applied (by fp32patch {e.tool_version}) but no loaded spec defines {e.patch!r}: load its "
+            f"spec with --specs DIR to check it, or run `{inv.command('revert', patch=e.patch)}` (a revert needs "
+            "only the manifest and the kept originals)"
+        )
+        out[e.patch] = Outcome(
+            patch=e.patch,
+            status=Status.SPEC_NOT_LOADED,
+            root=str(root),
+            target=f"{e.distribution}:{e.path}",
+            version=e.version,
+            path=str(root / e.path),
+            message=message,
+            env=str(env) if env else None,
+            details={"recorded": True, "sha256_before": e.sha256_before, "sha256_after": e.sha256_after},
+        )
+    return list(out.values())
+
+
+def status(
+    ids: Sequence[str],
+    roots: Sequence[Path],
+    *,
+    spec_dir: Path | None = None,
+    command: str = "status",
+    envs: Sequence[Path] = (),
+) -> Report:
+    """Each patch's state in each root. ``verify`` fails (exit 1) unless all are good."""
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir)
+    specs = select_specs(ids, spec_dir)
+    ts = targets(specs, roots, envs)
+    outcomes: list[Outcome] = [t.not_installed() for t in ts if t.located is None]
+    plans: dict[Path, RootPlan] = {}
+    for root, group in by_root(ts).items():
+        plans[root] = plan = RootPlan.build(root, group)
+        outcomes += [classify(plan, t, inv) for t in group]
+    if not ids:  # a manifest entry whose spec is not loaded is reported, never skipped
+        loaded = {s.id for s in specs}
+        envs_of = {t.searched: t.env for t in ts}
+        for root in dict.fromkeys([*plans, *(t.searched for t in ts)]):
+            if root in plans or StateDir(root).exists():
+                manifest = plans[root].manifest if root in plans else load_manifest(root)
+                outcomes += unloaded(root, manifest, loaded, inv, envs_of.get(root))
+    outcomes = fold_not_installed(outcomes, searched_order(ts))
+    # An interrupted entry fails verify even where the bytes are patched: its RECORD row or
+    # bytecode may still lag behind until the next apply or revert settles it. An environment
+    # found by --envs may lack the target (a trainer env without vLLM): that is not a failure.
+    bad = [
+        o
+        for o in outcomes
+        if o.status not in VERIFY_OK
+        or (ids and o.status == Status.NOT_INSTALLED and not o.env)
+        or o.details.get("interrupted")
+    ]
+    if all(o.status == Status.NOT_INSTALLED for o in outcomes):
+        bad = outcomes  # nothing found anywhere is a problem, not a pass
+    code = EXIT_VERIFY if (command == "verify" and bad) else EXIT_OK
+    return Report(command, outcomes, code)
