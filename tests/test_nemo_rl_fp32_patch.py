@@ -124,7 +124,7 @@ def test_each_shape_gets_its_own_variant(tmp_path, shape):
     code, data = cli("apply", "-s", str(root), "--patch", PATCH_ID, "--dry-run")
     assert code == 0, data
     (out,) = data["patches"]
-    assert shape.variant in repr(out), out
+    assert (out["status"], out["variant"]) == ("would-apply", shape.variant), out
 
 
 @needs_engine
