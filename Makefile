@@ -10,7 +10,12 @@ HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm megatron:megatron
 # bench/ may not exist yet; ruff refuses a missing path
 LINT_PATHS := $(wildcard fp32patch tests bench tools)
 
-.PHONY: install test test-fast test-heavy demo bench lint clean
+# The main suite's CLI-facing tests, run again under the lowest dependency versions pyproject allows
+LOWEST_TESTS ?= tests/test_engine_v2.py tests/test_spec.py tests/test_ops.py tests/test_refusals.py \
+  tests/test_check.py tests/test_bad_input.py tests/test_locate.py tests/test_transform_skip_when.py \
+  tests/test_context_length_patch.py tests/test_many_envs.py
+
+.PHONY: install test test-fast test-heavy test-lowest demo bench lint clean
 
 install: $(VENV)/.installed
 
@@ -21,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q -e '.[test,lint]'
 	touch $@
 
-test: test-fast test-heavy
+test: test-fast test-heavy test-lowest
 
 test-fast: install
 	$(VPY) -m pytest
@@ -34,6 +39,11 @@ test-heavy: install
 	  FP32PATCH_HEAVY=1 PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path $$env) \
 	    -m pytest -p no:cacheprovider tests/heavy/$$suite; \
 	done
+
+test-lowest: install
+	$(VPY) tests/envs/build.py lowest
+	@echo "== main suite (CLI-facing part) under the lowest dependency versions"
+	PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path lowest) -m pytest -p no:cacheprovider $(LOWEST_TESTS)
 
 demo: install
 	PY=$(VPY) bash tools/demo.sh

@@ -1,14 +1,20 @@
 """Where fp32out's time goes: the pieces of its forward and backward, one by one, on a GPU.
 
-    python bench/fp32out_parts.py
+    python bench/fp32out_parts.py [--shape T,H,V] [--tiles] [--json out.json]
 
 Forward: torch.mm with fp32 output against the bf16 GEMM (and bf16 + .float()), per shape.
-Backward (T=16384, H=4096, V=131072): the GEMMs, the row/column maxima of the fp32 gradient,
-the scale-and-convert passes and the rescaling that fp32out.fp16_scaled_mm is made of.
+Backward (default T=16384, H=4096, V=131072): the GEMMs, then each kernel of the backward
+as the eager path runs it and as the Triton kernels of ``fp16_scale_triton`` run it, with
+the bandwidth each reaches (bytes read + written over time; a device-to-device copy of the
+gradient is the ceiling), then the whole backward both ways. ``--tiles`` also times the
+Triton kernels over a few tile shapes.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,61 +23,198 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lm_head import time_ms  # noqa: E402
+from fp32patch.runtime import fp16_scale_triton as kern  # noqa: E402
 from fp32patch.runtime import fp32out  # noqa: E402
 
 
 def ms(fn) -> float:
-    return time_ms(fn, warmup=2, iters=10)
+    return time_ms(fn, warmup=3, iters=15)
 
 
-def forward() -> None:
+def forward() -> dict:
+    out = {}
     for t, h, v in [(16384, 4096, 32768), (16384, 4096, 131072), (4096, 4096, 32768), (256, 4096, 131072)]:
         x = torch.randn(t, h, device="cuda").bfloat16()
         wt = torch.randn(v, h, device="cuda").bfloat16().t()
         base = ms(lambda x=x, wt=wt: torch.mm(x, wt))
         rows = {
-            "out_dtype=fp32": ms(lambda x=x, wt=wt: torch.mm(x, wt, out_dtype=torch.float32)),
-            "bf16 + .float()": ms(lambda x=x, wt=wt: torch.mm(x, wt).float()),
+            "out_dtype=fp32": ms(lambda x=x, wt=wt: torch.mm(x, wt, out_dtype=torch.float32)) / base,
+            "bf16 + .float()": ms(lambda x=x, wt=wt: torch.mm(x, wt).float()) / base,
         }
-        print(
-            f"forward T={t} H={h} V={v}: bf16 {base:.2f} ms; "
-            + ", ".join(f"{k} {r / base:.3f}x" for k, r in rows.items())
-        )
+        print(f"forward T={t} H={h} V={v}: bf16 {base:.2f} ms; " + ", ".join(f"{k} {r:.3f}x" for k, r in rows.items()))
+        out[f"{t},{h},{v}"] = {"bf16_ms": base, **rows}
+    return out
 
 
-def backward() -> None:
-    t, h, v = 16384, 4096, 131072
+class Eager:
+    """FP32PATCH_TRITON=0 for the duration: the eager path on CUDA."""
+
+    def __enter__(self):
+        self.old = os.environ.get(fp32out.TRITON_ENV_VAR)
+        os.environ[fp32out.TRITON_ENV_VAR] = "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(fp32out.TRITON_ENV_VAR)
+        else:
+            os.environ[fp32out.TRITON_ENV_VAR] = self.old
+
+
+def eager(fn):
+    def run():
+        with Eager():
+            return fn()
+
+    return run
+
+
+def backward(t: int, h: int, v: int) -> dict:
     x = torch.randn(t, h, device="cuda").bfloat16()
     w = (torch.randn(v, h, device="cuda") * 0.01).bfloat16()
     g = torch.softmax(torch.randn(t, v, device="cuda") * 4, -1) / t
     g16 = g.bfloat16()
-    out16 = torch.empty_like(g, dtype=torch.float16)
-    rows, cols = torch.ones(t, 1, device="cuda"), torch.ones(1, v, device="cuda")
-    dw = torch.empty(v, h, device="cuda")
-    inv_v, inv_h = torch.ones(v, 1, device="cuda"), torch.ones(1, h, device="cuda")
-    w16, x16 = w.half(), x.half()
-    parts = {
-        "bf16 GEMM dx": lambda: torch.mm(g16, w),
-        "bf16 GEMM dW": lambda: torch.mm(g16.t(), x),
-        "fp16 GEMM dx, fp32 out": lambda: torch.mm(out16, w16, out_dtype=torch.float32),
-        "fp16 GEMM dW, fp32 out": lambda: torch.mm(out16.t(), x16, out_dtype=torch.float32),
-        "row max of the fp32 gradient": lambda: torch.linalg.vector_norm(g, float("inf"), dim=1, keepdim=True),
-        "column max": lambda: torch.linalg.vector_norm(g, float("inf"), dim=0, keepdim=True),
-        "scale rows + convert to fp16": lambda: torch.mul(g, rows, out=out16),
-        "scale columns + convert to fp16": lambda: torch.mul(g, cols, out=out16),
-        "plain fp32 -> bf16 cast (for comparison)": lambda: g.bfloat16(),
-        "weight to fp16, per-column scale": lambda: fp32out._fp16_scaled(w, 0),
-        "dW rescale (two passes)": lambda: dw.div_(inv_v).div_(inv_h),
-        "whole fp16_scaled_mm, dx": lambda: fp32out.fp16_scaled_mm(g, w),
-        "whole fp16_scaled_mm, dW": lambda: fp32out.fp16_scaled_mm(g.t(), x),
+    gb = g.numel() * 4  # bytes of the fp32 gradient
+    main_grad = torch.zeros(v, h, device="cuda")
+    assert fp32out._triton_kernels(g) is kern, "Triton kernels not available"
+    rs, cs = kern.row_col_scales(g, True, True)
+    by_row, by_col = kern.scale_to_fp16(g, rs, cs)
+    w16 = w.half()
+    x16 = x.half()
+    (_, wscale) = fp32out._fp16_scaled(w, rows=False, cols=True)[1]
+    (_, xscale) = fp32out._fp16_scaled(x, rows=False, cols=True)[1]
+    # the same operand with bf16's 8 significant bits: does the GEMM's speed depend on the data?
+    by_row8 = (g16.float() * rs).half()
+    dx32 = torch.mm(by_row, w16, out_dtype=torch.float32)
+    dw32 = torch.mm(by_col.t(), x16, out_dtype=torch.float32)
+    dxb, dwb = dx32.numel() * 4, dw32.numel() * 4
+    ones_v, ones_h = torch.ones(v, 1, device="cuda"), torch.ones(1, h, device="cuda")  # keep dw32's values
+    parts = {  # name: (fn, bytes moved or 0)
+        "bf16 GEMM dx": (lambda: torch.mm(g16, w), 0),
+        "bf16 GEMM dW": (lambda: torch.mm(g16.t(), x), 0),
+        "fp16 GEMM dx, fp32 out": (lambda: torch.mm(by_row, w16, out_dtype=torch.float32), 0),
+        "fp16 GEMM dW, fp32 out": (lambda: torch.mm(by_col.t(), x16, out_dtype=torch.float32), 0),
+        "bf16 GEMM dx, fp32 out": (lambda: torch.mm(g16, w, out_dtype=torch.float32), 0),
+        "fp16 GEMM dx, fp16 out": (lambda: torch.mm(by_row, w16), 0),
+        "fp16 GEMM dx, fp32 out, 8-bit data": (lambda: torch.mm(by_row8, w16, out_dtype=torch.float32), 0),
+        "bf16 GEMM dW, fp32 out": (lambda: torch.mm(g16.t(), x, out_dtype=torch.float32), 0),
+        "copy of the fp32 gradient (ceiling)": (lambda: g.clone(), 2 * gb),
+        "fp32 -> bf16 cast of the gradient": (lambda: g.bfloat16(), gb + gb // 2),
+        "eager: row max": (lambda: torch.linalg.vector_norm(g, float("inf"), dim=1, keepdim=True), gb),
+        "eager: column max": (lambda: torch.linalg.vector_norm(g, float("inf"), dim=0, keepdim=True), gb),
+        "eager: scale + convert (one operand)": (lambda: torch.mul(g, rs, out=by_row), gb + gb // 2),
+        "eager: dW unscale (two passes)": (lambda: dw32.div_(ones_v).div_(ones_h), 4 * dwb),
+        "triton: row + column scales, one read": (lambda: kern.row_col_scales(g, True, True), gb),
+        "triton: scale + convert, both operands": (lambda: kern.scale_to_fp16(g, rs, cs), 2 * gb),
+        "triton: weight column scales": (lambda: kern.row_col_scales(w, False, True), w.numel() * 2),
+        "triton: weight convert": (lambda: kern.scale_to_fp16(w, None, wscale), w.numel() * 4),
+        "triton: input to fp16 per column (max + convert)": (
+            lambda: fp32out._fp16_scaled(x, rows=False, cols=True),
+            3 * x.numel() * 2,
+        ),
+        "triton: weight to fp16 per column (max + convert)": (
+            lambda: fp32out._fp16_scaled(w, rows=False, cols=True),
+            3 * w.numel() * 2,
+        ),
+        "triton: dx unscale -> bf16": (
+            lambda: kern.unscale(dx32, rs, wscale, torch.bfloat16, None),
+            dxb + dxb // 2,
+        ),
+        "triton: dW unscale -> bf16": (
+            lambda: kern.unscale(dw32, cs.t(), xscale, torch.bfloat16, None),
+            dwb + dwb // 2,
+        ),
+        "triton: dW unscale + main_grad +=": (
+            lambda: kern.unscale(dw32, cs.t(), xscale, torch.float32, main_grad),
+            3 * dwb,
+        ),
+        "whole backward, eager (dx bf16, dW bf16)": (
+            eager(lambda: fp32out.fp16_scaled_grads(g, w, x, torch.bfloat16, torch.bfloat16)),
+            0,
+        ),
+        "whole backward, triton (dx bf16, dW bf16)": (
+            lambda: fp32out.fp16_scaled_grads(g, w, x, torch.bfloat16, torch.bfloat16),
+            0,
+        ),
+        "whole backward, triton (dW into main_grad)": (
+            lambda: fp32out.fp16_scaled_grads(g, w, x, torch.bfloat16, torch.bfloat16, main_grad),
+            0,
+        ),
     }
     print(f"backward pieces, T={t} H={h} V={v}:")
-    for name, fn in parts.items():
-        print(f"  {name:<42}{ms(fn):>8.2f} ms")
+    out = {}
+    for name, (fn, nbytes) in parts.items():
+        t_ms = ms(fn)
+        rate = f"{nbytes / t_ms / 1e9:>7.2f} TB/s" if nbytes else ""
+        print(f"  {name:<50}{t_ms:>8.2f} ms {rate}")
+        out[name] = {"ms": t_ms, "bytes": nbytes}
+    return out
+
+
+def tiles(t: int, v: int) -> dict:
+    """The Triton kernels over a few tile shapes, at [T, V]."""
+    g = torch.softmax(torch.randn(t, v, device="cuda") * 4, -1) / t
+    gb = g.numel() * 4
+    rs, cs = kern.row_col_scales(g, True, True)
+    saved = {k: getattr(kern, k) for k in dir(kern) if k.startswith(("_AMAX_", "_COLMAX_", "_CONVERT_"))}
+    out = {}
+    try:
+        for bm, bn, steps, warps in [
+            (32, 256, 8, 8),
+            (64, 256, 4, 8),
+            (16, 512, 8, 8),
+            (32, 256, 1, 8),
+            (64, 128, 8, 4),
+        ]:
+            kern._AMAX_BM, kern._AMAX_BN, kern._AMAX_ROW_STEPS, kern._AMAX_WARPS = bm, bn, steps, warps
+            t_ms = ms(lambda: kern.row_col_scales(g, True, True))
+            print(f"  amax BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {gb / t_ms / 1e9:.2f} TB/s")
+            out[f"amax {bm}x{bn}x{steps} w{warps}"] = t_ms
+        w = torch.randn(v, 4096, device="cuda").bfloat16()
+        for bm, bn, steps, warps in [
+            (32, 256, 16, 8),
+            (32, 256, 4, 8),
+            (64, 256, 16, 8),
+            (16, 512, 32, 8),
+            (32, 128, 32, 4),
+        ]:
+            kern._COLMAX_BM, kern._COLMAX_BN, kern._COLMAX_ROW_STEPS, kern._COLMAX_WARPS = bm, bn, steps, warps
+            t_ms = ms(lambda w=w: kern.row_col_scales(w, False, True))
+            print(
+                f"  colmax bf16 BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {w.numel() * 2 / t_ms / 1e9:.2f} TB/s"
+            )
+            out[f"colmax {bm}x{bn}x{steps} w{warps}"] = t_ms
+        for bm, bn, warps in [(32, 256, 8), (64, 256, 8), (16, 512, 8), (32, 128, 4), (64, 128, 8), (8, 1024, 8)]:
+            kern._CONVERT_BM, kern._CONVERT_BN, kern._CONVERT_WARPS = bm, bn, warps
+            t_ms = ms(lambda: kern.scale_to_fp16(g, rs, cs))
+            print(f"  convert BM={bm} BN={bn} warps={warps}: {t_ms:.3f} ms {2 * gb / t_ms / 1e9:.2f} TB/s")
+            out[f"convert {bm}x{bn} w{warps}"] = t_ms
+    finally:
+        for k, val in saved.items():
+            setattr(kern, k, val)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="16384,4096,131072")
+    parser.add_argument("--tiles", action="store_true")
+    parser.add_argument("--no-forward", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/fp32out_parts.py needs a CUDA GPU")
+    t, h, v = (int(s) for s in args.shape.split(","))
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    if not args.no_forward:
+        results["forward"] = forward()
+    results["backward"] = {"shape": [t, h, v], "parts": backward(t, h, v)}
+    if args.tiles:
+        results["tiles"] = tiles(t, v)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/fp32out_parts.py needs a CUDA GPU")
-    forward()
-    backward()
+    raise SystemExit(main())

@@ -248,7 +248,7 @@ def train_step(way: str, x: torch.Tensor, w: torch.Tensor, grad32: torch.Tensor,
     w.grad = None
 
 
-def bench_training(shape, warmup, iters) -> dict:
+def bench_training(shape, warmup, iters, ways=TRAIN_WAYS) -> dict:
     t, hdim, v = shape
     h, w0 = inputs(t, hdim, v, seed=1)
     x = h.clone().requires_grad_(True)
@@ -263,7 +263,7 @@ def bench_training(shape, warmup, iters) -> dict:
     dx64 = torch.cat([grad32[i : i + 4096].double() @ w0.double() for i in range(0, t, 4096)])
     dw64 = grad32.double().t() @ h.double()
     rows = {}
-    for way in TRAIN_WAYS:
+    for way in ways:
         _sync()
         _reset_peak()
         ms = time_ms(lambda way=way: train_step(way, x, w, grad32, grad16), warmup, iters)
@@ -336,7 +336,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     first = results["inference"][0]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    train = results["training"][0] if results["training"] else None
+    fig, axes = plt.subplots(1, 2 if train else 1, figsize=(13 if train else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
     for way, row in first["ways"].items():
         ax.scatter(row["ratio"], row["mean_abs_dlogp"], s=60)
         ax.annotate(way, (row["ratio"], row["mean_abs_dlogp"]), textcoords="offset points", xytext=(6, 4))
@@ -345,8 +347,20 @@ def plot(results: dict, path: Path) -> None:
     s = first["shape"]
     ax.set_xlabel("time / bf16 GEMM time")
     ax.set_ylabel("mean |Δ log p| vs float64 (sampled tokens)")
-    ax.set_title(f"LM-head logits on {results['machine']['gpu']}: T={s['tokens']}, H={s['hidden']}, V={s['vocab']}")
+    ax.set_title(f"logits on {results['machine']['gpu']}: T={s['tokens']}, H={s['hidden']}, V={s['vocab']}")
     ax.grid(True, which="both", alpha=0.3)
+    if train:
+        ax = axes[0][1]
+        for way, row in train["ways"].items():
+            ax.scatter(row["ratio"], row["rel_err_dw_main_grad"], s=60)
+            ax.annotate(way, (row["ratio"], row["rel_err_dw_main_grad"]), textcoords="offset points", xytext=(6, 4))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        s = train["shape"]
+        ax.set_xlabel("forward + backward time / bf16 GEMMs")
+        ax.set_ylabel("weight-gradient error vs float64 (main_grad)")
+        ax.set_title(f"training: T={s['tokens']}, H={s['hidden']}, V={s['vocab']}")
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -389,6 +403,10 @@ def main() -> int:
     parser.add_argument(
         "--cpu", action="store_true", help="a smoke run of the logic on the CPU (no timings worth reading)"
     )
+    parser.add_argument(
+        "--only", action="append", choices=["inference", "training", "agreement"], help="measure only these parts"
+    )
+    parser.add_argument("--train-ways", default=",".join(TRAIN_WAYS), help="comma-separated training ways")
     args = parser.parse_args()
     global DEVICE
     if args.cpu:
@@ -408,14 +426,21 @@ def main() -> int:
             "host": platform.node(),
         },
         "settings": {"warmup": args.warmup, "iters": args.iters},
-        "inference": [bench_inference(s, args.warmup, args.iters) for s in shapes],
-        "training": [bench_training(s, args.warmup, args.iters) for s in shapes],
-        "agreement": [agreement(shapes[0])],
     }
+    parts = args.only or ["inference", "training", "agreement"]
+    ways = args.train_ways.split(",")
+    unknown = sorted(set(ways) - set(TRAIN_WAYS))
+    if unknown or "bf16" not in ways:
+        parser.error(f"--train-ways: unknown {unknown} (the ratios need bf16); known: {', '.join(TRAIN_WAYS)}")
+    results["inference"] = [bench_inference(s, args.warmup, args.iters) for s in shapes] if "inference" in parts else []
+    results["training"] = (
+        [bench_training(s, args.warmup, args.iters, ways) for s in shapes] if "training" in parts else []
+    )
+    results["agreement"] = [agreement(shapes[0])] if "agreement" in parts else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(table(results))
-    if args.plot:
+    if args.plot and results["inference"]:
         plot(results, args.plot)
     return 0
 

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fp32patch import __version__
+from fp32patch.patcher.model import Status
 from fp32patch.patcher.report import EXIT_USAGE, Outcome, Report, UsageError
 
 app = typer.Typer(
@@ -94,20 +95,26 @@ Specs = Annotated[
 ]
 
 _STYLE = {
-    "applied": "green",
-    "already-applied": "green",
-    "reverted": "green",
-    "would-apply": "cyan",
-    "obsolete": "blue",
-    "not-installed": "dim",
-    "not-applied": "yellow",
-    "drifted": "red",
-    "outdated": "yellow",
+    Status.APPLIED: "green",
+    Status.ALREADY_APPLIED: "green",
+    Status.REVERTED: "green",
+    Status.WOULD_APPLY: "cyan",
+    Status.OBSOLETE: "blue",
+    Status.NOT_INSTALLED: "dim",
+    Status.NOT_APPLIED: "yellow",
+    Status.DRIFTED: "red",
+    Status.OUTDATED: "yellow",
 }
-
-
-_GOOD = {"applied", "already-applied", "reverted", "would-apply", "obsolete", "not-installed"}
-_QUIET = {"applied", "already-applied", "not-installed"}
+# printed to stdout (the rest of the messages are problems: stderr); quiet ones speak only when asked
+_GOOD = {
+    Status.APPLIED,
+    Status.ALREADY_APPLIED,
+    Status.REVERTED,
+    Status.WOULD_APPLY,
+    Status.OBSOLETE,
+    Status.NOT_INSTALLED,
+}
+_QUIET = {Status.APPLIED, Status.ALREADY_APPLIED, Status.NOT_INSTALLED}
 
 
 def _status_cell(status: str) -> str:
@@ -150,7 +157,7 @@ def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: lis
             loud = (
                 o.status not in _QUIET
                 or o.details.get("interrupted")
-                or (o.status == "not-installed" and not report.ok)
+                or (o.status == Status.NOT_INSTALLED and not report.ok)
             )
             if o.message and loud:
                 where = f" in {o.root}" if len(roots) > 1 else ""
@@ -166,7 +173,7 @@ def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: lis
 
 def _label(o: Outcome, bases: list[Path]) -> str:
     """How a root is named in a grouped table: an environment relative to its --envs folder."""
-    if o.status == "not-installed" and os.pathsep in o.root:
+    if o.status == Status.NOT_INSTALLED and os.pathsep in o.root:
         return f"(none of {o.root.count(os.pathsep) + 1} roots)"
     for base in bases:
         if o.env and Path(o.env).is_relative_to(base):

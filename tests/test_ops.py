@@ -106,7 +106,7 @@ def test_insert_after_imports_refuses_a_name_clash():
     assert result.status == "anchor-ambiguous" and "already defines g" in result.message
 
 
-PREPEND = 'op = "prepend_to_body"\nscope = "C.f"\ncode = "return h(self, ${call_args})"'
+PREPEND = 'op = "prepend_to_body"\nscope = "C.f"\ncode = "return hash(self, ${call_args})"'
 PREPEND_CASES = [
     (
         """
@@ -120,13 +120,13 @@ PREPEND_CASES = [
             def f(self, a, b=1, *args, k, **kw):
                 \"\"\"Doc.\"\"\"
                 # fp32patch: t [e]
-                return h(self, a, b, *args, k=k, **kw)
+                return hash(self, a, b, *args, k=k, **kw)
                 return a
         """,
     ),
     (  # one-line body, tab indentation, CRLF line endings are kept
         "class C:\r\n\tdef f(self, a): return a\r\n",
-        "class C:\r\n\tdef f(self, a):\r\n\t\t# fp32patch: t [e]\r\n\t\treturn h(self, a)\r\n\t\treturn a\r\n",
+        "class C:\r\n\tdef f(self, a):\r\n\t\t# fp32patch: t [e]\r\n\t\treturn hash(self, a)\r\n\t\treturn a\r\n",
     ),
 ]
 
@@ -156,7 +156,7 @@ def test_scope_wildcards_and_params():
     assert wrong.status == "anchor-missing" and "found instead: A.outer.B.f(self, y)" in wrong.message
 
 
-REPLACE_EXPR = 'op = "replace"\nscope = "f"\nmatch = "ValueError(...)"\ncode = "ValueError(msg(n))"'
+REPLACE_EXPR = 'op = "replace"\nscope = "f"\nmatch = "ValueError(...)"\ncode = "ValueError(str(n))"'
 REPLACE_CASES = [
     (
         """
@@ -170,7 +170,7 @@ REPLACE_CASES = [
         def f(n):
             if n:
                 # fp32patch: t [e]
-                raise ValueError(msg(n))
+                raise ValueError(str(n))
         """,
     ),
 ]
@@ -203,17 +203,17 @@ def test_replace_statement_keeps_leading_comments():
 
 
 def test_insert_before_and_after():
-    before_edit = 'op = "insert_before"\nscope = "f"\nmatch = "return ..."\ncode = "log()"'
+    before_edit = 'op = "insert_before"\nscope = "f"\nmatch = "return ..."\ncode = "print()"'
     _check(
         before_edit,
         "def f():\n    # c\n    return 1\n",
-        "def f():\n    # c\n    # fp32patch: t [e]\n    log()\n    return 1\n",
+        "def f():\n    # c\n    # fp32patch: t [e]\n    print()\n    return 1\n",
     )
-    after_edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = ..."\ncode = "log(x)"'
+    after_edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = ..."\ncode = "print(x)"'
     _check(
         after_edit,
         "def f():\n    x = 2\n    return x\n",
-        "def f():\n    x = 2\n    # fp32patch: t [e]\n    log(x)\n    return x\n",
+        "def f():\n    x = 2\n    # fp32patch: t [e]\n    print(x)\n    return x\n",
     )
 
 
@@ -267,7 +267,7 @@ def test_insert_except_handler_must_not_match(before):
 
 
 def test_patterns_ignore_formatting():
-    edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = call(a, b=2)"\ncode = "done()"'
+    edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = call(a, b=2)"\ncode = "print()"'
     for src in (
         "def f():\n    x = call(a, b=2)\n",
         "def f():\n    x = call(\n        a,\n        b=2,  # two\n    )\n",

@@ -55,7 +55,7 @@ BAD = [
     (GOOD.replace('code = "pass"', 'code = "def ("'), "not valid"),
     (GOOD + 'colour = "blue"\n', "edits[0].colour: unknown field"),
     (GOOD + "count = 0\n", "edits[0].count: must be at least 1"),
-    (GOOD + 'count = "one"\n', "edits[0].count: expected int, got str"),
+    (GOOD + 'count = "one"\n', "edits[0].count: expected integer, got string"),
     (GOOD + '[[variants]]\nname = "v"\nedits.nope.params = []\n', "variants[0].edits.nope: no edit with id 'nope'"),
     (
         GOOD + '[[variants]]\nname = "v"\nedits.e.op = "replace"\n',

@@ -26,14 +26,14 @@ path = "demo.py"
 id = "log"
 op = "prepend_to_body"
 scope = "handle"
-code = "log(x)"
+code = "print(x)"
 
 [[edits]]
 id = "guard"
 op = "prepend_to_body"
 scope = "handle"
-code = "check(x)"
-skip_when = [{ scope = "handle", match = "check(...)" }]
+code = "callable(x)"
+skip_when = [{ scope = "handle", match = "callable(...)" }]
 """,
     "demo.toml",
 )
@@ -41,7 +41,7 @@ skip_when = [{ scope = "handle", match = "check(...)" }]
 # (source, edits applied, edits skipped)
 CASES = [
     ("def handle(x):\n    return x\n", ["log", "guard"], []),
-    ("def handle(x):\n    check(x)\n    return x\n", ["log"], ["guard"]),
+    ("def handle(x):\n    callable(x)\n    return x\n", ["log"], ["guard"]),
 ]
 
 
@@ -55,7 +55,7 @@ def test_patched_file_reads_as_already_applied(source, edits, skipped):
 
 def test_a_lost_marker_is_still_partially_applied():
     # the guard is upstream's, but the log edit's marker is gone: not a finished patch
-    first = transform(SPEC, b"def handle(x):\n    check(x)\n    return x\n", path="demo.py", version=None)
+    first = transform(SPEC, b"def handle(x):\n    callable(x)\n    return x\n", path="demo.py", version=None)
     assert first.new is not None
     marker_line = "# fp32patch: demo [log]"
     text = first.new.decode().replace(marker_line, "# fp32patch: demo [gone]")

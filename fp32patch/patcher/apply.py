@@ -12,17 +12,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher.model import Spec, Status
-from fp32patch.patcher.plan import RootPlan, Target, by_root, entries_after, searched_order, select_specs, targets
-from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, Outcome, Report, UsageError, fold_not_installed
+from fp32patch.patcher.plan import (
+    RootPlan,
+    Target,
+    by_root,
+    entries_after,
+    searched_order,
+    select_specs,
+    targets,
+    write_error,
+)
+from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, Outcome, Report, fold_not_installed
 from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.transaction import Transaction, TransactionError, Write, describe_os_error
+from fp32patch.patcher.transaction import Transaction, Write
 from fp32patch.patcher.transform import Result, unified_diff
-
-
-def write_error(root: Path, exc: OSError) -> UsageError:
-    """A root that cannot be written is bad input: exit 2, with what and where."""
-    text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
-    return UsageError(f"cannot write in {root}: {text}; nothing was changed")
 
 
 def _diffs(before: dict[str, bytes | None], after: dict[str, bytes | None], paths: list[str]) -> str:

@@ -21,7 +21,7 @@ import libcst as cst
 
 from fp32patch.patcher.markers import marker
 from fp32patch.patcher.match import CodePattern, call_args, cst_expr_equals, descendants, expr_ast, find
-from fp32patch.patcher.model import Edit
+from fp32patch.patcher.model import Edit, Status
 from fp32patch.patcher.vocabulary import CALL_ARGS, OPERATIONS
 
 Rewrite = Callable[[cst.CSTNode], cst.CSTNode | cst.FlattenSentinel | cst.RemovalSentinel]
@@ -58,7 +58,7 @@ def _statements(code: str) -> list[cst.BaseStatement]:
 def _expect(edit: Edit, found: int, what: str, extra: str = "") -> None:
     if found == edit.count:
         return
-    code = "anchor-missing" if found < edit.count else "anchor-ambiguous"
+    code = Status.ANCHOR_MISSING if found < edit.count else Status.ANCHOR_AMBIGUOUS
     detail = f"{what} matched {found} time{'s' if found != 1 else ''}, expected {edit.count}"
     raise AnchorError(edit, code, detail + (f" ({extra})" if extra else ""))
 
@@ -75,7 +75,7 @@ def _code_at(module: cst.Module, edit: Edit, node: cst.CSTNode) -> str:
         return edit.code
     func = node if isinstance(node, cst.FunctionDef) else _enclosing(module, [node], (cst.FunctionDef,)).get(id(node))
     if not isinstance(func, cst.FunctionDef):
-        raise AnchorError(edit, "edit-failed", f"{CALL_ARGS} is used, but the anchor is not inside a function")
+        raise AnchorError(edit, Status.EDIT_FAILED, f"{CALL_ARGS} is used, but the anchor is not inside a function")
     return edit.code.replace(CALL_ARGS, call_args(func))
 
 
@@ -112,7 +112,7 @@ class InsertAfterImports(Operation):
         defined = _top_level_names(new)
         clash = sorted(defined & _top_level_names(module.body))
         if clash:
-            raise AnchorError(edit, "anchor-ambiguous", f"the module already defines {', '.join(clash)}")
+            raise AnchorError(edit, Status.ANCHOR_AMBIGUOUS, f"the module already defines {', '.join(clash)}")
 
         def rewrite(updated: cst.CSTNode) -> cst.CSTNode:
             assert isinstance(updated, cst.Module)

@@ -26,6 +26,7 @@ from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.report import Outcome, UsageError
 from fp32patch.patcher.spec import SpecError, load_specs
 from fp32patch.patcher.state import StateDir, sha256
+from fp32patch.patcher.transaction import TransactionError, describe_os_error
 
 if TYPE_CHECKING:
     from fp32patch.patcher.transform import Result
@@ -103,6 +104,21 @@ class Target:
         return self.outcome(Status.NOT_INSTALLED, message=f"{self.spec.target.label} is not in {self.searched}")
 
 
+def entry_outcome(root: Path, env: Path | None, entry: mf.Entry, status: Status, message: str, **kw) -> Outcome:
+    """An outcome told from a manifest entry alone (its spec is not loaded)."""
+    return Outcome(
+        patch=entry.patch,
+        status=status,
+        root=str(root),
+        target=f"{entry.distribution}:{entry.path}",
+        version=entry.version,
+        path=str(root / entry.path),
+        message=message,
+        env=str(env) if env else None,
+        **kw,
+    )
+
+
 def targets(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] = ()) -> list[Target]:
     out = []
     for root, env in roots(given, envs):
@@ -126,6 +142,12 @@ def load_manifest(root: Path) -> mf.Manifest:
             f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over "
             "(files patched under it then read as drifted or not-applied)"
         ) from None
+
+
+def write_error(root: Path, exc: OSError) -> UsageError:
+    """A root that cannot be written is bad input: exit 2, with what and where."""
+    text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
+    return UsageError(f"cannot write in {root}: {text}; nothing was changed")
 
 
 def read(path: Path) -> bytes | None:

@@ -14,16 +14,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
-from fp32patch.patcher.apply import write_error
 from fp32patch.patcher.locate import LocateError
 from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.plan import (
     RootPlan,
     Target,
     entries_after,
+    entry_outcome,
     load_manifest,
     read,
     select_specs,
+    write_error,
 )
 from fp32patch.patcher.plan import (
     roots as find_roots,
@@ -101,18 +102,7 @@ def _state_roots(
 
 
 def _outcome(root: Path, env: Path | None, t: Target | None, entry: mf.Entry, status: Status, message: str) -> Outcome:
-    if t is not None:
-        return t.outcome(status, message=message)
-    return Outcome(
-        patch=entry.patch,
-        status=status,
-        root=str(root),
-        target=f"{entry.distribution}:{entry.path}",
-        version=entry.version,
-        path=str(root / entry.path),
-        message=message,
-        env=str(env) if env else None,
-    )
+    return t.outcome(status, message=message) if t is not None else entry_outcome(root, env, entry, status, message)
 
 
 def _revert_root(

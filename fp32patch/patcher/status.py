@@ -18,6 +18,7 @@ from fp32patch.patcher.plan import (
     RootPlan,
     Target,
     by_root,
+    entry_outcome,
     load_manifest,
     searched_order,
     select_specs,
@@ -130,17 +131,8 @@ def unloaded(root: Path, manifest: mf.Manifest, loaded: set[str], inv: Invocatio
             f"spec with --specs DIR to check it, or run `{inv.command('revert', patch=e.patch)}` (a revert needs "
             "only the manifest and the kept originals)"
         )
-        out[e.patch] = Outcome(
-            patch=e.patch,
-            status=Status.SPEC_NOT_LOADED,
-            root=str(root),
-            target=f"{e.distribution}:{e.path}",
-            version=e.version,
-            path=str(root / e.path),
-            message=message,
-            env=str(env) if env else None,
-            details={"recorded": True, "sha256_before": e.sha256_before, "sha256_after": e.sha256_after},
-        )
+        details = {"recorded": True, "sha256_before": e.sha256_before, "sha256_after": e.sha256_after}
+        out[e.patch] = entry_outcome(root, env, e, Status.SPEC_NOT_LOADED, message, details=details)
     return list(out.values())
 
 

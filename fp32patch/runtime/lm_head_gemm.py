@@ -63,10 +63,18 @@ def _fwd_mm(mode: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_gemms(
-    mode: str, grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor | None, need_dx: bool
+    mode: str,
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    x: torch.Tensor | None,
+    need_dx: bool,
+    dx_dtype: torch.dtype,
+    main_grad: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """For the fp32 grad_output ``grad``: ``grad @ weight`` (input gradient, if ``need_dx``)
-    and ``grad.T @ x`` (weight gradient, if ``x`` is given), both fp32."""
+    """For the fp32 grad_output ``grad``: ``grad @ weight`` in ``dx_dtype`` (the input
+    gradient, if ``need_dx``) and ``grad.T @ x`` (the weight gradient, if ``x`` is given),
+    computed in fp32 and then added into ``main_grad`` (which is returned) or, without one,
+    rounded to the weight's dtype."""
     import torch
 
     if mode in _UPCAST_MODES or weight.dtype == torch.float32:
@@ -74,16 +82,17 @@ def _backward_gemms(
         pieces, times = [grad], _upcast_mm
     elif mode == "fp32out":
         # grad_output through fp16 with power-of-two scales: TF32's rounding of it, at
-        # the speed of a bf16 GEMM (see fp32out.fp16_scaled_mm)
-        dx = fp32out.fp16_scaled_mm(grad, weight) if need_dx else None
-        dw = None if x is None else fp32out.fp16_scaled_mm(grad.t(), x)
-        return dx, dw
+        # the speed of a bf16 GEMM (see fp32out.fp16_scaled_mm); on CUDA the scalings,
+        # the rescaling and the accumulation run as fused Triton kernels
+        return fp32out.fp16_scaled_grads(grad, weight if need_dx else None, x, dx_dtype, weight.dtype, main_grad)
     else:
         # split once, use the pieces for both products.
         pieces, times = fp32out.split(grad, weight.dtype, _GRAD_TERMS[mode]), fp32out.sum_mm
-    dx = times(pieces, weight) if need_dx else None
-    dw = None if x is None else times([piece.t() for piece in pieces], x)
-    return dx, dw
+    dx = times(pieces, weight).to(dx_dtype) if need_dx else None
+    if x is None:
+        return dx, None
+    dw = times([piece.t() for piece in pieces], x)
+    return dx, (dw.to(weight.dtype) if main_grad is None else main_grad.add_(dw))
 
 
 def _upcast_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
@@ -96,15 +105,15 @@ def _upcast_mm(pieces: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
 def _deliver_weight_grad(
     weight: torch.Tensor, main_grad: torch.Tensor | None, grad: torch.Tensor
 ) -> torch.Tensor | None:
-    """Hand the fp32 weight gradient over as Megatron's own linear layer would (see top)."""
+    """Hand the weight gradient over as Megatron's own linear layer would (see top): ``grad``
+    is in the weight's dtype, or is ``main_grad`` itself, already accumulated."""
     import torch
 
     if main_grad is None:
-        return grad.to(weight.dtype)
+        return grad
     # The same weight can serve several heads (MTP); point it back at the buffer seen in
-    # the forward, as Megatron does, before accumulating.
+    # the forward (the one just accumulated into), as Megatron does.
     weight.main_grad = main_grad
-    main_grad.add_(grad)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     # Returning a tensor keeps DDP's backward hooks on the main backward thread (Megatron
@@ -153,9 +162,11 @@ def _make_function() -> type:
             grad_b = None
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             with _precision(ctx.mode, grad.device):
-                grad_x, grad_w = _backward_gemms(ctx.mode, grad, weight, flat if need_dw else None, need_dx)
+                grad_x, grad_w = _backward_gemms(
+                    ctx.mode, grad, weight, flat if need_dw else None, need_dx, ctx.x_dtype, ctx.main_grad
+                )
             if grad_x is not None:
-                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+                grad_x = grad_x.reshape(ctx.x_shape)
             if grad_w is not None:
                 grad_w = _deliver_weight_grad(weight, ctx.main_grad, grad_w)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:

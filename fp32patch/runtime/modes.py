@@ -24,7 +24,7 @@ from __future__ import annotations
 #
 # Cost in bf16-GEMM equivalents for forward + backward (the stock bf16 head: 3):
 # fp32out-bf16grad 3; fp32out 3 plus passes that scale and convert grad_output, the weight
-# and the input; fp32out-hilo 5; tf32 3 TF32 GEMMs at half the bf16 tensor-core rate, ~6,
+# and the input (fused Triton kernels on CUDA: fp16_scale_triton.py); fp32out-hilo 5; tf32 3 TF32 GEMMs at half the bf16 tensor-core rate, ~6,
 # plus fp32 copies of the weight shard; fp32 3 GEMMs without tensor cores, plus the copies.
 # Measured on an H200 (bench/RESULTS.md) and against float64 on the CPU (tests/
 # test_lm_head_gemm.py): fp32out's backward error equals TF32's; fp32out-hilo's is ~100x

@@ -36,7 +36,17 @@ RECIPES: dict[str, list[list[str]]] = {
         ["install", "torch==2.13.0", "triton"],
         ["install", "--ignore-requires-python", "megatron-core==0.19.2", "numpy<2.5"],
     ],
+    # fp32patch's own dependencies at the lowest versions pyproject.toml allows (the main
+    # suite's .venv has the newest), with what the main suite needs to run.
+    "lowest": [
+        ["install", "torch==2.13.0"],
+        ["install", "pytest>=8,<9", "hypothesis>=6.100", "fastapi>=0.110", "httpx>=0.27"],
+        # last, so that nothing installed after them moves them up
+        ["install", "libcst==1.1.0", "typer==0.16.0", "rich==13.0.0", "packaging==23.0"],
+    ],
 }
+# Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
+_OWN_PINS: dict[str, list[str]] = {"lowest": []}
 
 
 def cache_root() -> Path:
@@ -52,7 +62,7 @@ def env_python(name: str) -> Path:
 
 
 def _recipe_hash(name: str) -> str:
-    blob = json.dumps({"recipe": RECIPES[name], "test": _TEST_DEPS, "py": sys.version_info[:2]})
+    blob = json.dumps({"recipe": RECIPES[name], "test": _OWN_PINS.get(name, _TEST_DEPS), "py": sys.version_info[:2]})
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -77,7 +87,9 @@ def build(name: str) -> Path:
     for args in RECIPES[name]:
         print(f"[envs] {name}: pip {' '.join(args)}", flush=True)
         subprocess.run([*pip, *args], check=True)
-    subprocess.run([*pip, "install", "-q", *_TEST_DEPS], check=True)
+    extra = _OWN_PINS.get(name, _TEST_DEPS)
+    if extra:
+        subprocess.run([*pip, "install", "-q", *extra], check=True)
     (target / ".fp32patch-recipe").write_text(_recipe_hash(name))
     print(f"[envs] {name}: ready at {target}", flush=True)
     return env_python(name)
