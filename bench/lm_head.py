@@ -45,7 +45,9 @@ SHAPES = [  # (tokens, hidden, vocab)
     (16384, 8192, 131072),
 ]
 QUICK = [(2048, 1024, 8192)]
-INFER_WAYS = ["bf16", "bf16+float", "fp32 copy", "tf32 copy", "fp32out"]
+INFER_WAYS = ["bf16", "bf16+float", "fp32 copy", "tf32 copy", "fp32out", "fp32out generic"]
+# "fp32out" is the NemotronH patch's route (compute_logits); "fp32out generic" the
+# vllm-fp32-logits patch's, as the patched LogitsProcessor._get_logits runs it (vLLM <= 0.25)
 # "bf16" is the GEMM alone; "bf16+casts" is the stock head as a trainer runs it: the loss
 # upcasts the bf16 logits to fp32 and the gradient comes back cast to bf16
 TRAIN_WAYS = ["bf16", "bf16+casts", "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"]
@@ -75,11 +77,20 @@ class LogitsProcessor:
         return lm_head.quant_method.apply(lm_head, hidden_states)
 
 
+class PatchedLogitsProcessor:
+    """vLLM 0.25's LogitsProcessor._get_logits as vllm-fp32-logits patches it, at TP=1."""
+
+    def __call__(self, lm_head, hidden_states):
+        lm_head = vllm_lm_head.fp32_head(self, lm_head, hidden_states)
+        return lm_head.quant_method.apply(lm_head, hidden_states, bias=None)
+
+
 class Model(torch.nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.lm_head = LmHead(weight)
         self.logits_processor = LogitsProcessor()
+        self.generic_processor = PatchedLogitsProcessor()
 
 
 @contextlib.contextmanager
@@ -105,6 +116,9 @@ def infer(way: str, model: Model, h: torch.Tensor) -> torch.Tensor:
     if way in ("fp32 copy", "tf32 copy"):
         with env_way("copy"), cuda_tf32(way == "tf32 copy"):
             return vllm_lm_head.compute_logits(model, h)
+    if way == "fp32out generic":
+        with env_way("fp32out"):
+            return model.generic_processor(model.lm_head, h)
     with env_way("fp32out"):
         return vllm_lm_head.compute_logits(model, h)
 

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 collect_ignore = [] if os.environ.get("FP32PATCH_HEAVY") else ["heavy"]
 
 NEMOTRON = "vllm/model_executor/models/nemotron_h.py"
+LOGITS_PROCESSOR = "vllm/model_executor/layers/logits_processor.py"
 
 
 class Cli:

@@ -10,11 +10,12 @@ is already-applied, the edits in the right functions, and the output's AST equal
 input's once the edits are taken out again.
 
 The files: vLLM's nemotron_h.py from its 0.33.0 and 0.10.2 wheels (one per spec
-variant) and, for NeMo-RL (no release of it carries the files), the project's own fixtures:
-vllm_worker_async.py (tests/fixtures/nemo_rl/pre_fix.py), and the Megatron setup.py of the
-stand-in checkout (tests/fixtures/nemo_rl_shapes.py) for nemo-rl-fp32-lm-head, whose other
-files go along unchanged; there a breaking mutation must also never let an older variant,
-which leaves the inference model out, take over.
+variant), its logits_processor.py from 0.33.0, 0.25.1 and 0.10.2 (both variants, and the
+GEMM on one line and on three) and, for NeMo-RL (no release of it carries the files), the
+project's own fixtures: vllm_worker_async.py (tests/fixtures/nemo_rl/pre_fix.py), and the
+Megatron setup.py of the stand-in checkout (tests/fixtures/nemo_rl_shapes.py) for
+nemo-rl-fp32-lm-head, whose other files go along unchanged; there a breaking mutation must
+also never let an older variant, which leaves the inference model out, take over.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fp32patch.patcher.model import REFUSALS as ERRORS
 from fp32patch.patcher.model import Spec
 from fp32patch.patcher.spec import load_specs
 from fp32patch.patcher.transform import transform
-from tests.conftest import NEMOTRON
+from tests.conftest import LOGITS_PROCESSOR, NEMOTRON
 from tests.support.pypi import wheel_members
 
 pytestmark = pytest.mark.network
@@ -291,9 +292,13 @@ def _nemotron_funcs() -> list[Find]:
     return [lambda t, n=n: _child(_nemotron_class(t), n, FUNCS) for n in ("compute_logits", "load_weights")]
 
 
-def _grow_imports(text: str, seed: int) -> str:
+def _grow_imports_before(find_class: Callable[[ast.Module], ast.ClassDef]) -> Callable[[str, int], str]:
+    return lambda text, seed: _grow_imports(text, seed, find_class)
+
+
+def _grow_imports(text: str, seed: int, find_class: Callable[[ast.Module], ast.ClassDef] = _nemotron_class) -> str:
     tree = ast.parse(text)
-    first_class = _first_line(_nemotron_class(tree))
+    first_class = _first_line(find_class(tree))
     last = max(
         n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno < first_class
     )
@@ -327,14 +332,15 @@ def _nested_namesake(text: str, seed: int) -> str:
     return insert_at(lambda t: _child(_nemotron_class(t), host.name, FUNCS), _block(code), where="body")(text, seed)
 
 
-class _StripNemotron(ast.NodeTransformer):
-    """Takes out what nemotron-h-fp32-lm-head inserts, counting it."""
+class _StripGated(ast.NodeTransformer):
+    """Takes out what a vLLM spec inserts (its gate, and each use of the runtime it returns), counting it."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: str = GATE) -> None:
+        self.gate = gate
         self.removed: list[str] = []
 
     def _kind(self, node: ast.AST) -> str | None:
-        if isinstance(node, ast.FunctionDef) and node.name == GATE:
+        if isinstance(node, ast.FunctionDef) and node.name == self.gate:
             return "gate"
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [LOCAL]:
             return "assign"
@@ -353,7 +359,7 @@ class _StripNemotron(ast.NodeTransformer):
 
 
 def _nemotron_correct(before: str, after: str, args: str) -> None:
-    stripper = _StripNemotron()
+    stripper = _StripGated()
     stripped = stripper.visit(ast.parse(after))
     assert sorted(stripper.removed) == ["assign", "assign", "gate", "if", "if"]
     assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it inserts"
@@ -402,6 +408,107 @@ def _nemotron_mutations(spec: Spec) -> list[Mutation]:
         ),
         Mutation("gate-name-clash", append(f"{GATE} = None\n"), breaking=True),
         Mutation("rename-parameter", lambda t, s: rename_parameter(funcs[s % 2])(t, s), breaking=True),
+    ]
+
+
+# ---------------------------------------------------------------- vllm-fp32-logits on vLLM's file
+
+
+LP_CLASS, LP_GATE = "LogitsProcessor", "_fp32patch_lm_head_runtime"
+GEMM = "logits = lm_head.quant_method.apply(lm_head, hidden_states, bias=embedding_bias)"
+# the functions each variant edits: (the head route's, the processor-way's)
+LP_FUNCS = {"head-gemm": ("_get_logits", "forward"), "native-head-dtype": ("_apply_head", "__init__")}
+
+
+def _lp_class(tree: ast.Module) -> ast.ClassDef:
+    return _child(tree, LP_CLASS, (ast.ClassDef,))
+
+
+def _lp_funcs(variant: str) -> list[Find]:
+    return [lambda t, n=n: _child(_lp_class(t), n, FUNCS) for n in LP_FUNCS[variant]]
+
+
+def _lp_variant(text: str) -> str:
+    return "native-head-dtype" if "def _apply_head" in text else "head-gemm"
+
+
+def _lp_decoy_class(text: str, seed: int) -> str:
+    name = ["LogitsProcessorWithLoRA", "LogitsProcessor2", "_LogitsProcessor", "Logits"][seed % 4]
+    decoy = (
+        f"class {name}({LP_CLASS if seed % 2 else 'object'}):\n"
+        "    def _get_logits(self, hidden_states, lm_head, embedding_bias):\n"
+        f"        {GEMM}\n        return logits\n\n\n"
+    )
+    if seed % 3 == 0:
+        return _insert(text, _first_line(_lp_class(ast.parse(text))), decoy)
+    return text + "\n\n" + decoy
+
+
+def _lp_gemm_twice(text: str, seed: int) -> str:
+    """A second head GEMM in the function the route anchors on: which one is the head's?"""
+    variant = _lp_variant(text)
+    find = _lp_funcs(variant)[0]
+    code = (
+        GEMM
+        if variant == "head-gemm"
+        else "if self.head_dtype is None or self.head_dtype == hidden_states.dtype:\n    pass"
+    )
+    return insert_at(find, _block(code), where="body")(text, seed)
+
+
+def _logits_correct(before: str, after: str, variant: str) -> None:
+    stripper = _StripGated(LP_GATE)
+    stripped = stripper.visit(ast.parse(after))
+    assert sorted(stripper.removed) == ["assign", "assign", "gate", "if", "if"]
+    assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it inserts"
+    cls = _lp_class(ast.parse(after))
+    route, way = (ast.unparse(_child(cls, n, FUNCS)) for n in LP_FUNCS[variant])
+    if variant == "head-gemm":
+        # the head swapped right before vLLM's own GEMM line; the LoRA note after forward's logits
+        assert f"{LOCAL}.fp32_head(self, lm_head, hidden_states)\n{GEMM}" in route.replace("    ", "")
+        assert f"{LOCAL}.note_processor(self, lm_head, hidden_states)" in way
+    else:
+        body = _child(cls, "_apply_head", FUNCS).body
+        at = 1 if ast.get_docstring(_child(cls, "_apply_head", FUNCS)) is not None else 0
+        assert ast.unparse(body[at]) == f"{LOCAL} = {LP_GATE}()" and f"{LOCAL}.apply_head(" in ast.unparse(body[at + 1])
+        assert ast.unparse(body[at + 2]).startswith("if self.head_dtype is None or")
+        assert way.rstrip().endswith(f"self.head_dtype = {LOCAL}.native_head_dtype(self, model_config)")
+
+
+def _logits_mutations(spec: Spec, variant: str) -> list[Mutation]:
+    region = _lp_class
+    funcs = _lp_funcs(variant)
+    marker = f"# fp32patch: {spec.id} [{spec.edit_ids[-1]}]"
+    return [
+        Mutation("reformat-signature", reformat_signature(funcs)),
+        Mutation("comment-line", comment_line(region)),
+        Mutation("end-of-line-comment", end_of_line_comment(region, f"# fp32patch: {spec.id} [{spec.edit_ids[0]}]")),
+        Mutation("blank-lines", blank_lines(region)),
+        Mutation("decorator", decorator(funcs)),
+        Mutation("docstring", docstring(funcs, marker)),
+        Mutation("decoy-class", _lp_decoy_class),
+        Mutation(
+            "module-namesakes",
+            append(f"def _get_logits(self, hidden_states, lm_head, embedding_bias):\n    {GEMM}\n    return logits\n"),
+        ),
+        Mutation("marker-strings", marker_strings(spec)),
+        Mutation("grow-imports", _grow_imports_before(_lp_class)),
+        # breaking: each must be refused
+        Mutation(
+            "duplicate-class",
+            append(
+                f"if TYPE_CHECKING:\n\n    class {LP_CLASS}:\n"
+                "        def _get_logits(self, hidden_states, lm_head, embedding_bias):\n"
+                f"            {GEMM}\n\n"
+                "        def _apply_head(self, lm_head, hidden_states, embedding_bias):\n"
+                "            if self.head_dtype is None or self.head_dtype == hidden_states.dtype:\n"
+                "                pass\n"
+            ),
+            breaking=True,
+        ),
+        Mutation("gate-name-clash", append(f"{LP_GATE} = None\n"), breaking=True),
+        Mutation("rename-parameter", rename_parameter(funcs[0]), breaking=True),
+        Mutation("head-gemm-twice", _lp_gemm_twice, breaking=True),
     ]
 
 
@@ -751,6 +858,20 @@ CASES = [
         "hidden_states, sampling_metadata",
         80,
     ),
+    *(
+        Case(
+            "vllm-fp32-logits",
+            f"logits-processor-{version}",
+            lambda version=version: (wheel_members("vllm", version, [LOGITS_PROCESSOR]) / LOGITS_PROCESSOR).read_text(),
+            version,
+            LOGITS_PROCESSOR,
+            lambda spec, variant=variant: _logits_mutations(spec, variant),
+            _logits_correct,
+            variant,
+            50,
+        )
+        for version, variant in (("0.33.0", "native-head-dtype"), ("0.25.1", "head-gemm"), ("0.10.2", "head-gemm"))
+    ),
     Case(
         "nemo-rl-context-length-400",
         "nemo-rl-fixture",
@@ -824,8 +945,8 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
             text = mutation.apply(text, seed)
         compile(text, "mutated", "exec", dont_inherit=True)  # the generator makes valid Python
         others = case.others() if case.others else None
-        given = {**others, case.path: text.encode()} if others else text.encode()
-        result = transform(spec, given, path=case.path, version=case.version)
+        inputs = {**others, case.path: text.encode()} if others else text.encode()
+        result = transform(spec, inputs, path=case.path, version=case.version)
         breaking = [m.name for m, _ in chosen if m.breaking]
         if breaking:
             assert result.status in ERRORS, (breaking, result.status, result.message)
@@ -840,7 +961,7 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
                 f"# fp32patch: {spec.id} [{e}]" for e in (own if others else spec.edit_ids)
             )
             case.correct(text, after, case.args)
-            patched = {**given, **result.files} if others else result.new
+            patched = {**inputs, **result.files} if others else result.new
             again = transform(spec, patched, path=case.path, version=case.version)
             assert again.status == "already-applied", again.message
         outcomes[result.status] = outcomes.get(result.status, 0) + 1

@@ -17,18 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NEMOTRON, tree_digest
-from tests.support.pypi import sdist_file, wheel_file, wheel_members
+from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.pypi import member_files, sdist_file, wheel_file
 
 pytestmark = pytest.mark.network
 
 
 def _members(version: str) -> dict[str, bytes]:
-    """The release's nemotron_h.py (if it has one) and dist-info METADATA/RECORD/WHEEL, by archive path."""
-    src = wheel_members("vllm", version, [NEMOTRON])
+    """The release's nemotron_h.py and logits_processor.py (where it has them) and dist-info
+    METADATA/RECORD/WHEEL, by archive path."""
     return {
-        p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file() and p.name != ".complete"
+        name: path.read_bytes() for name, path in member_files("vllm", version, [NEMOTRON, LOGITS_PROCESSOR]).items()
     }
+
+
+def _entry(out: dict, patch: str = "nemotron-h-fp32-lm-head") -> dict:
+    return next(p for p in out["patches"] if p["id"] == patch)
 
 
 def _relabel(members: dict[str, bytes], old: str, new: str) -> dict[str, bytes]:
@@ -100,10 +104,15 @@ def test_real_wheel_of_the_pinned_release(tmp_path, cli, monkeypatch):
     code, out = cli.json("check", "--against", wheel)
     assert code == 0 and out["ok"] and out["command"] == "check"
     assert out["candidate"] == {"path": str(wheel), "kind": "wheel", "distribution": "vllm", "version": "0.25.1"}
-    [entry] = out["patches"]
+    assert {p["id"] for p in out["patches"]} == {"nemotron-h-fp32-lm-head", "vllm-fp32-logits"}
+    entry = _entry(out)
     assert entry["status"] == "would-apply" and entry["variant"] == "hidden-states-only"
     assert entry["edits"] == ["runtime-gate", "route-compute-logits", "refit-notify"]
     assert entry["path"] == f"{wheel}!{NEMOTRON}"
+    logits = _entry(out, "vllm-fp32-logits")
+    assert (logits["status"], logits["variant"]) == ("would-apply", "head-gemm")
+    assert logits["edits"] == ["runtime-gate", "route-head", "processor-way"]
+    assert logits["path"] == f"{wheel}!{LOGITS_PROCESSOR}"
     assert (wheel.stat().st_size, wheel.stat().st_mtime_ns) == before
     assert list(tmp_path.iterdir()) == []  # nothing extracted where it ran
 
@@ -118,9 +127,10 @@ def test_real_sdist(tmp_path, cli, monkeypatch):
     code, out = cli.json("check", "--against", sdist)
     assert code == 0, out
     assert out["candidate"]["kind"] == "sdist" and out["candidate"]["version"] == "0.10.2"
-    [entry] = out["patches"]
+    entry = _entry(out)
     assert entry["status"] == "would-apply" and entry["variant"] == "with-sampling-metadata"
     assert entry["path"] == f"{sdist}!vllm-0.10.2/{NEMOTRON}"
+    assert _entry(out, "vllm-fp32-logits")["status"] == "would-apply"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -194,7 +204,7 @@ def test_candidate(name, tmp_path, cli):
     before = tree_digest(tmp_path)
     got, out = cli.json("check", "--against", candidate)
     assert got == code, out
-    [entry] = out["patches"]
+    entry = _entry(out)
     assert entry["status"] == status
     message = " ".join(entry["message"].split())
     for word in words:
@@ -209,13 +219,13 @@ def test_folders(tmp_path, cli):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
     code, out = cli.json("check", "--against", root)
-    assert code == 0 and out["candidate"]["kind"] == "folder" and out["patches"][0]["status"] == "would-apply"
+    assert code == 0 and out["candidate"]["kind"] == "folder" and _entry(out)["status"] == "would-apply"
 
     # an already patched root: nothing to do, and check says so
     assert cli("apply", "-s", root).exit_code == 0
     before = tree_digest(root)
     code, out = cli.json("check", "--against", root)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
+    assert code == 0 and _entry(out)["status"] == "already-applied"
     assert tree_digest(root) == before
 
     # an unpacked sdist: the version comes from PKG-INFO
@@ -226,21 +236,21 @@ def test_folders(tmp_path, cli):
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(archive.extractfile(member).read())
     code, out = cli.json("check", "--against", tmp_path / "unpacked" / "vllm-0.10.2")
-    assert code == 0 and out["patches"][0]["version"] == "0.10.2"
-    assert out["patches"][0]["variant"] == "with-sampling-metadata"
+    assert code == 0 and _entry(out)["version"] == "0.10.2"
+    assert _entry(out)["variant"] == "with-sampling-metadata"
 
     # a source checkout (dynamic version): the release is unknown, the first variant that fits is used
     checkout = tmp_path / "vllm-checkout"
     shutil.copytree(tmp_path / "unpacked" / "vllm-0.10.2", checkout)
     (checkout / "PKG-INFO").unlink()
     code, out = cli.json("check", "--against", checkout)
-    assert code == 0 and out["patches"][0]["version"] is None
-    assert out["patches"][0]["variant"] == "with-sampling-metadata"
+    assert code == 0 and _entry(out)["version"] is None
+    assert _entry(out)["variant"] == "with-sampling-metadata"
 
     # a checkout of vLLM that lost the file
     (checkout / NEMOTRON).unlink()
     code, out = cli.json("check", "--against", checkout)
-    assert code == 3 and out["patches"][0]["status"] == "not-installed"
+    assert code == 3 and _entry(out)["status"] == "not-installed"
 
 
 BAD = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NEMOTRON, tree_digest
-from tests.support.pypi import wheel_members
+from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
 
@@ -37,12 +37,7 @@ def _conda(path: Path) -> Path:
 
 
 def _install(site_packages: Path, version: str) -> None:
-    src = wheel_members("vllm", version, [NEMOTRON])
-    for path in src.rglob("*"):
-        if path.is_file() and path.name != ".complete":
-            dest = site_packages / path.relative_to(src)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, dest)
+    import_root_from_members("vllm", version, [NEMOTRON], site_packages)
 
 
 @pytest.fixture(scope="module")

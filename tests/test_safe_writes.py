@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fp32patch.patcher import transaction
-from tests.conftest import NEMOTRON, sha, tree_digest
+from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, sha, tree_digest
 from tests.support.pypi import import_root_from_members, pip_install_target
 
 pytestmark = pytest.mark.network
@@ -34,19 +34,20 @@ def root(full_root, tmp_path) -> Path:
     return dest
 
 
-def test_full_install_round_trip_touches_only_the_target(root, cli):
+def test_full_install_round_trip_touches_only_the_targets(root, cli):
     before = tree_digest(root)
     record = root / "vllm-0.25.1.dist-info" / "RECORD"
     assert cli("apply", "-s", root).exit_code == 0
     after = tree_digest(root)
     changed = {p for p in before if before[p] != after.get(p)}
     added = {p.split("/")[0] for p in set(after) - set(before)}
-    assert changed == {NEMOTRON, "vllm-0.25.1.dist-info/RECORD"}
+    assert changed == {NEMOTRON, LOGITS_PROCESSOR, "vllm-0.25.1.dist-info/RECORD"}
     assert added == {".fp32patch"}
     # RECORD now vouches for the patched bytes, as `pip` would have written it
-    row = next(line for line in record.read_text().splitlines() if line.startswith(NEMOTRON + ","))
-    data = (root / NEMOTRON).read_bytes()
-    assert row == f"{NEMOTRON},{transaction.record_hash(data)},{len(data)}"
+    for target in (NEMOTRON, LOGITS_PROCESSOR):
+        row = next(line for line in record.read_text().splitlines() if line.startswith(target + ","))
+        data = (root / target).read_bytes()
+        assert row == f"{target},{transaction.record_hash(data)},{len(data)}"
 
     assert cli("revert", "-s", root).exit_code == 0
     final = tree_digest(root)
@@ -137,7 +138,7 @@ def test_failed_write_rolls_back_everything(tmp_path, monkeypatch):
         return real(path, data, **kw)
 
     monkeypatch.setattr(transaction, "atomic_write", flaky)
-    writes = [Write(rel, data, b"y" + data, None) for rel, data in files.items()]
+    writes = [Write(rel, data, b"y" + data, []) for rel, data in files.items()]
     tx = Transaction(root)
     with tx.state.lock(), pytest.raises(OSError, match="No space"):
         tx.commit(writes, Manifest())

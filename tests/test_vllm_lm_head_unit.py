@@ -136,3 +136,28 @@ def test_switching_the_way_takes_a_new_decision(monkeypatch):
     monkeypatch.setenv(vllm_lm_head.ENV, "fp32out")
     logits = vllm_lm_head.compute_logits(model, h)
     assert vllm_lm_head.describe(model)[0]["way"] == "fp32out" and logits.dtype == torch.float32
+
+
+def test_the_generic_route_recognises_the_nemotron_stand_in(monkeypatch):
+    """Both vLLM patches applied: NemotronH's route hands the processor a stand-in head;
+    the generic route returns it untouched, so the GEMM runs once."""
+    monkeypatch.setenv(vllm_lm_head.ENV, "copy")
+    model = _model()
+    state = vllm_lm_head._state(model.logits_processor, model.lm_head, "copy", torch.bfloat16, "test")
+    stand_in = vllm_lm_head._Fp32Head(model.lm_head, state)
+    assert vllm_lm_head.fp32_head(model.logits_processor, stand_in, _hidden()) is stand_in
+    routed = vllm_lm_head.fp32_head(model.logits_processor, model.lm_head, _hidden())
+    assert isinstance(routed, vllm_lm_head._Fp32Head) and routed._head is model.lm_head
+
+
+def test_describe_gives_each_head_a_way_and_a_reason(monkeypatch):
+    monkeypatch.delenv(vllm_lm_head.ENV, raising=False)
+    model = _model()
+    [info] = vllm_lm_head.describe(model)
+    # neither patch is applied to the module this model comes from: stock, and why
+    assert (info["owner"], info["way"], info["patch"]) == ("Model", "stock", None)
+    assert "neither fp32patch vLLM patch" in info["reason"]
+    monkeypatch.setenv(vllm_lm_head.ENV, "fp32out")
+    vllm_lm_head.compute_logits(model, _hidden())
+    [info] = vllm_lm_head.describe(model)
+    assert info["way"] == "fp32out" and "fp32out" in info["reason"]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
-from fp32patch.patcher.locate import LocateError
+from fp32patch.patcher.locate import LocateError, inside
 from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.plan import (
     RootPlan,
@@ -125,7 +125,8 @@ def _revert_root(
         why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
         return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], [], False
     try:
-        tx.check_writable(relpaths + [e.path for e in peek.entries], [e.record for e in peek.entries])
+        ours = [e.path for e in peek.entries if inside(root, root / e.path)]
+        tx.check_writable(relpaths + ours, [e.record for e in peek.entries])
         with state.lock():
             manifest = load_manifest(root)
             notes = tx.recover(manifest, relpaths)
@@ -178,6 +179,8 @@ def _plan(
         if not more:
             break
         paths |= more
+    # an entry whose path leads out of the root (a tampered manifest) is never read or written
+    paths = {p for p in paths if inside(root, root / p)}
     files = {p: read(root / p) for p in sorted(paths)}
     missing = [k for k in keep if k not in specs]
     if missing:
@@ -252,7 +255,7 @@ def _plan(
         status, message, forced = verdicts.get(i, (Status.REVERTED, "", False))
         if status == Status.REVERTED:
             mine = [e for e in manifest.entries if e.patch == i]
-            if all(sha256(files[e.path] or b"") == e.sha256_before for e in mine):
+            if all(sha256(files[e.path] or b"") == e.sha256_before for e in mine if e.path in files):
                 status, message = Status.NOT_APPLIED, "already the original bytes; record cleared"
             elif keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}}:
                 others = sorted(keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}})

@@ -57,11 +57,21 @@ def classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
     return outcome
 
 
+def _entry(plan: RootPlan, spec_id: str, path: str) -> mf.Entry | None:
+    """The patch's entry for a file as its bytes stand: a write still in flight that has not
+    replaced the file yet leaves the entry it had before."""
+    intent = plan.manifest.intent(path)
+    data = plan.files.get(path)
+    if intent is not None and data is not None and sha256(data) == intent.sha256_from != intent.sha256_to:
+        return next((e for e in intent.previous if e.patch == spec_id), None)
+    return plan.manifest.find(spec_id, path)
+
+
 def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
     spec = t.spec
     first = plan.files.get(spec.target.path) or b""
     details: dict = {"sha256": sha256(first)}
-    entries = {p: e for p in spec.target.paths if (e := plan.manifest.find(spec.id, p)) is not None}
+    entries = {p: e for p in spec.target.paths if (e := _entry(plan, spec.id, p)) is not None}
     details["recorded"] = bool(entries)
     if len(spec.target.files) > 1:
         details["files"] = [

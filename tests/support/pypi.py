@@ -74,12 +74,18 @@ def _wheel_url(project: str, version: str) -> tuple[str, str]:
 
 
 def wheel_members(project: str, version: str, members: list[str]) -> Path:
-    """A folder holding ``members`` of ``project==version``'s wheel plus its .dist-info."""
+    """A folder holding ``members`` of ``project==version``'s wheel plus its .dist-info.
+
+    The cache grows: a later call that asks for another member fetches what it had plus
+    that one, so the NemotronH and LogitsProcessor matrices share one folder per release.
+    Members the wheel does not hold are recorded as asked for and stay absent.
+    """
     dest = cache_root() / "wheel-members" / f"{project}-{version}"
     stamp = dest / ".complete"
-    want = sorted(members)
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
+    have = json.loads(stamp.read_text()) if stamp.exists() else []
+    if set(members) <= set(have):
         return dest
+    want = sorted(set(have) | set(members))
     url, _ = _wheel_url(project, version)
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -100,14 +106,24 @@ def wheel_members(project: str, version: str, members: list[str]) -> Path:
     return dest
 
 
+def member_files(project: str, version: str, members: list[str]) -> dict[str, Path]:
+    """``members`` of the release that its wheel holds, plus its dist-info files, by path in
+    the wheel; other members cached for the release are left out."""
+    src = wheel_members(project, version, members)
+    out = {}
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src).as_posix()
+        if path.is_file() and (rel in members or rel.split("/")[0].endswith(".dist-info")):
+            out[rel] = path
+    return out
+
+
 def import_root_from_members(project: str, version: str, members: list[str], where: Path) -> Path:
     """Lay ``members`` (and the dist-info) out in ``where`` as an installed import root."""
-    src = wheel_members(project, version, members)
-    for path in src.rglob("*"):
-        if path.is_file() and path.name != ".complete":
-            target = where / path.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, target)
+    for rel, path in member_files(project, version, members).items():
+        target = where / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
     return where
 
 

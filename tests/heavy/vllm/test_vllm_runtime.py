@@ -253,8 +253,9 @@ sys.path.insert(1, {tests!r})
 import importlib.util
 assert importlib.util.find_spec("fp32patch") is None, "fp32patch must not be importable here"
 from heavy_probe import tiny_session
+import tests.heavy.vllm.tiny as tiny
 with tiny_session() as build:
-    model = build()
+    model = build(family=tiny.FAMILIES[{family!r}])
     h = __import__("torch").randn(3, 64).to(__import__("torch").bfloat16)
     print("off:", model.compute_logits(h).dtype)
     os.environ["NRL_VLLM_FP32_LM_HEAD"] = "1"
@@ -265,7 +266,11 @@ with tiny_session() as build:
 """
 
 
-def test_patched_file_works_where_fp32patch_is_not_installed(tmp_path):
+@pytest.mark.parametrize(
+    ("family", "says"),
+    [("nemotron-h", "asks for fp32 LM-head logits"), ("qwen2", "asks for fp32 logits")],  # each patch's own gate
+)
+def test_patched_file_works_where_fp32patch_is_not_installed(tmp_path, family, says):
     """Off: stock behaviour. On: the first use fails, saying fp32patch is missing."""
     probe = tmp_path / "heavy_probe.py"
     probe.write_text(
@@ -282,10 +287,10 @@ def test_patched_file_works_where_fp32patch_is_not_installed(tmp_path):
 
     shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NRL_VLLM_FP32_LM_HEAD")}
-    script = _WITHOUT_FP32PATCH.format(root=str(PATCHED_ROOT), tests=str(tmp_path))
+    script = _WITHOUT_FP32PATCH.format(root=str(PATCHED_ROOT), tests=str(tmp_path), family=family)
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "off: torch.bfloat16" in out.stdout
-    assert "on: NRL_VLLM_FP32_LM_HEAD='1' asks for fp32 LM-head logits, but fp32patch cannot be imported" in out.stdout
+    assert f"on: NRL_VLLM_FP32_LM_HEAD='1' {says}, but fp32patch cannot be imported" in out.stdout

@@ -1,9 +1,13 @@
-"""A tiny bf16 NemotronH built by the real vLLM on the CPU (no weights from any hub)."""
+"""Tiny bf16 models built by the real vLLM on the CPU from transformers configs (no
+weights from any hub): NemotronH, and one model of each head shape for the generic
+logits patch."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
+import operator
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -55,16 +59,24 @@ def stock_module():
 class Builder:
     def __init__(self, vllm_config):
         self.vllm_config = vllm_config
+        self._folders: dict[str, str] = {}
 
-    def model(self, cls=None, *, seed: int = 0, **config_overrides):
+    def model(self, cls=None, *, seed: int = 0, family: Family | None = None, **config_overrides):
         from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
+        if family is not None:
+            module = importlib.import_module(f"vllm.model_executor.models.{family.module}")
+            _cpu_activations(module)
+            cls = getattr(module, family.cls)
+            folder = self._folders.setdefault(family.cls, _family_dir(family))
+        else:
+            folder = None
         if cls is None:
             from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM as cls
         # a fresh config per model: vLLM registers each layer's name in its config
         extra = {"hf_overrides": config_overrides} if config_overrides else {}
         vllm_config = VllmConfig(
-            model_config=_model_config(ModelConfig, **extra), parallel_config=self.vllm_config.parallel_config
+            model_config=_model_config(ModelConfig, folder, **extra), parallel_config=self.vllm_config.parallel_config
         )
         torch.manual_seed(seed)
         previous = torch.get_default_dtype()
@@ -74,20 +86,141 @@ class Builder:
                 model = cls(vllm_config=vllm_config)
         finally:
             torch.set_default_dtype(previous)
-        head = model.lm_head
-        head.quant_method.process_weights_after_loading(head)
+        lm_head = head(model, family) if family is not None else model.lm_head
+        lm_head.quant_method.process_weights_after_loading(lm_head)
         with torch.no_grad():
-            head.weight.normal_(0.0, 0.5)
+            lm_head.weight.normal_(0.0, 0.5)
         return model
 
 
 _CONFIG_DIR: list[str] = []
 
 
-def _model_config(ModelConfig, **kwargs):
-    if not _CONFIG_DIR:
-        _CONFIG_DIR.append(_config_dir())
-    return ModelConfig(model=_CONFIG_DIR[0], dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, **kwargs)
+def _model_config(ModelConfig, folder: str | None = None, **kwargs):
+    if folder is None:
+        if not _CONFIG_DIR:
+            _CONFIG_DIR.append(_config_dir())
+        folder = _CONFIG_DIR[0]
+    return ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, **kwargs)
+
+
+# ---------------------------------------------------------------- the generic patch's families
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its transformers config, its vLLM class, and where its head is."""
+
+    config: str  # transformers config class
+    module: str  # vLLM module under vllm.model_executor.models
+    cls: str
+    head: str  # attribute path of the head the model hands its LogitsProcessor
+    weight: str  # checkpoint name of that head's weight, for load_weights
+    settings: dict
+    soft_cap: float | None = None
+
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {
+    "qwen2": Family(
+        "Qwen2Config",
+        "qwen2",
+        "Qwen2ForCausalLM",
+        "lm_head",
+        "lm_head.weight",
+        dict(_COMMON, intermediate_size=128, tie_word_embeddings=False),
+    ),
+    "llama-tied": Family(
+        "LlamaConfig",
+        "llama",
+        "LlamaForCausalLM",
+        "lm_head",
+        "model.embed_tokens.weight",
+        dict(_COMMON, intermediate_size=128, tie_word_embeddings=True),
+    ),
+    "gemma2": Family(
+        "Gemma2Config",
+        "gemma2",
+        "Gemma2ForCausalLM",
+        "model.embed_tokens",
+        "model.embed_tokens.weight",
+        dict(_COMMON, intermediate_size=128, head_dim=16, final_logit_softcapping=30.0),
+        soft_cap=30.0,
+    ),
+    "qwen3-moe": Family(
+        "Qwen3MoeConfig",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "lm_head",
+        "lm_head.weight",
+        dict(
+            _COMMON,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "nemotron-h": Family(
+        "NemotronHConfig",
+        "nemotron_h",
+        "NemotronHForCausalLM",
+        "lm_head",
+        "lm_head.weight",
+        {},
+    ),
+}
+
+
+def _family_dir(family: Family) -> str:
+    import transformers
+
+    if family.cls == "NemotronHForCausalLM":
+        return _config_dir()
+    folder = tempfile.mkdtemp(prefix=f"tiny-{family.module}-")
+    config = getattr(transformers, family.config)(architectures=[family.cls], **family.settings)
+    config.save_pretrained(folder)
+    return folder
+
+
+class _GeluAndMul(torch.nn.Module):
+    """GeluAndMul without vLLM's compiled kernel, for a CPU-only run of a CUDA wheel."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return torch.nn.functional.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+def _cpu_activations(module) -> None:
+    """vLLM's GeluAndMul looks its CUDA kernel up when built; without one (a CUDA wheel on
+    the CPU) the model module gets the plain-torch activation instead. Only the test
+    process's module object changes, never a file."""
+    act = getattr(module, "GeluAndMul", None)
+    if act is None or act is _GeluAndMul:
+        return
+    try:
+        act(approximate="tanh")
+    except AttributeError:
+        module.GeluAndMul = _GeluAndMul
+
+
+def head(model, family: Family):
+    return operator.attrgetter(family.head)(model)
+
+
+def family_reference(hidden: torch.Tensor, model, family: Family) -> torch.Tensor:
+    """float64 logits of the live head weight, trimmed to the vocabulary, soft-capped as vLLM does."""
+    weight = head(model, family).weight.detach().double()[:VOCAB]
+    logits = hidden.double() @ weight.T
+    if family.soft_cap is not None:
+        logits = torch.tanh(logits / family.soft_cap) * family.soft_cap
+    return logits
 
 
 def cpu_platform() -> None:
