@@ -11,8 +11,11 @@ input's once the edits are taken out again.
 
 The files: vLLM's nemotron_h.py from its 0.33.0 and 0.10.2 wheels (one per spec
 variant), its logits_processor.py from 0.33.0, 0.25.1 and 0.10.2 (both variants, and the
-GEMM on one line and on three) and, for NeMo-RL (no release of it carries the file), the project's own fixture
-of vllm_worker_async.py (tests/fixtures/nemo_rl/pre_fix.py).
+GEMM on one line and on three) and, for NeMo-RL (no release of it carries the files), the
+project's own fixtures: vllm_worker_async.py (tests/fixtures/nemo_rl/pre_fix.py), and the
+Megatron setup.py of the stand-in checkout (tests/fixtures/nemo_rl_shapes.py) for
+nemo-rl-fp32-lm-head, whose other files go along unchanged; there a breaking mutation must
+also never let an older variant, which leaves the inference model out, take over.
 """
 
 from __future__ import annotations
@@ -641,6 +644,179 @@ def _nemo_rl_correct(before: str, after: str, args: str) -> None:
     assert ast.dump(stripped) == ast.dump(_blank_raises(ast.parse(before))), "the edit changed more than it should"
 
 
+# ---------------------------------------------------------------- nemo-rl-fp32-lm-head on NeMo-RL's Megatron setup
+
+SETUP = "nemo_rl/models/megatron/setup.py"
+WIRE = "_fp32patch_wire_megatron"
+
+
+def _nemo_rl_checkout() -> dict[str, str]:
+    """The project's stand-in NeMo-RL checkout at its newest shape (no release carries the files)."""
+    from tests.fixtures.nemo_rl_shapes import SHAPES, files_at
+
+    return files_at(SHAPES[0].name)
+
+
+def _top(name: str) -> Find:
+    return lambda tree: _child(tree, name, FUNCS)
+
+
+_SETUP_FUNCS = [_top(n) for n in ("validate_and_set_config", "_apply_precision_config", "build_inference_model")]
+_SETUP_FUNCS.append(_top("setup_model_and_optimizer"))
+
+
+def _get_model_line(func: str, target: str) -> Callable[[str, int], str]:
+    """Rename the variable that ``target = get_model(...)`` in ``func`` assigns (the anchor moves)."""
+
+    def mutate(text: str, seed: int) -> str:
+        node = _top(func)(ast.parse(text))
+        stmt = next(
+            n
+            for n in ast.walk(node)
+            if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == target and "get_model(" in ast.unparse(n)
+        )
+        lines = _lines(text)
+        i = stmt.lineno - 1
+        lines[i] = lines[i].replace(f"{target} = get_model(", f"{target}_chunks = get_model(", 1)
+        return "".join(lines)
+
+    return mutate
+
+
+def _rename_first_parameter(func: str) -> Callable[[str, int], str]:
+    """The function's first parameter (policy_cfg, config) gets another name: the inserted code's is gone."""
+
+    def mutate(text: str, seed: int) -> str:
+        node = _top(func)(ast.parse(text))
+        old = node.args.args[0].arg
+        lines = _lines(text)
+        start, end = node.lineno - 1, node.body[0].lineno - 1
+        signature = re.sub(rf"(?<![\w.]){old}(?=\s*[:,)=])", "cfg", "".join(lines[start:end]), count=1)
+        body = "".join(lines[end : node.end_lineno]).replace(old, "cfg")
+        return "".join([*lines[:start], signature, body, *lines[node.end_lineno :]])
+
+    return mutate
+
+
+NESTED_NAMESAKE = """\
+def _helpers():
+    def setup_model_and_optimizer(policy_cfg, megatron_cfg):
+        model = get_model(megatron_cfg.model, megatron_cfg.ddp)
+        return model
+
+    return setup_model_and_optimizer
+
+"""
+
+REFERENCE_DECOY = """\
+def setup_reference_model_state(config, megatron_cfg):
+    reference_model = get_model(megatron_cfg.model, megatron_cfg.ddp)
+    model = get_model(megatron_cfg.model, megatron_cfg.ddp)
+    return reference_model[0].state_dict(), model
+
+"""
+
+SECOND_GET_MODEL = """\
+model = get_model(megatron_cfg.model, megatron_cfg.ddp)
+"""
+
+
+def _setup_mutations(spec: Spec) -> list[Mutation]:
+    marker = f"# fp32patch: {spec.id} [wire-policy]"
+    smo = _top("setup_model_and_optimizer")
+    return [
+        Mutation("reformat-signature", reformat_signature(_SETUP_FUNCS)),
+        Mutation("comment-line", comment_line(smo)),
+        Mutation("end-of-line-comment", end_of_line_comment(_top("_apply_precision_config"), marker)),
+        Mutation("blank-lines", blank_lines(_top("build_inference_model"))),
+        Mutation("decorator", decorator(_SETUP_FUNCS)),
+        Mutation("docstring", docstring([_top("validate_and_set_config"), smo], marker)),
+        Mutation("nested-namesake", insert_at(smo, _block(NESTED_NAMESAKE))),
+        Mutation("reference-model-decoy", insert_at(smo, _block(REFERENCE_DECOY))),
+        Mutation("marker-strings", marker_strings(spec)),
+        # breaking: each must be refused, never patched by an older variant that leaves a model out
+        Mutation("policy-get-model-moved", _get_model_line("setup_model_and_optimizer", "model"), breaking=True),
+        Mutation(
+            "inference-get-model-moved", _get_model_line("build_inference_model", "inference_model"), breaking=True
+        ),
+        Mutation(
+            "second-get-model",
+            insert_at(
+                lambda t: next(
+                    n for n in ast.walk(smo(t)) if isinstance(n, ast.Assign) and "get_model(" in ast.unparse(n)
+                ),
+                _block(SECOND_GET_MODEL),
+            ),
+            breaking=True,
+        ),
+        Mutation("policy-cfg-renamed", _rename_first_parameter("setup_model_and_optimizer"), breaking=True),
+    ]
+
+
+def _ours(stmt: ast.stmt) -> bool:
+    """A statement of the patch: a call of our helpers, or the residual's ``if``."""
+    text = ast.unparse(stmt)
+    return "_fp32patch_" in text.split("\n")[0] or (isinstance(stmt, ast.If) and "fp32_residual_connection" in text)
+
+
+class _StripSetup(ast.NodeTransformer):
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        for name in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, name, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                kept = []
+                for stmt in stmts:
+                    is_helper = isinstance(stmt, ast.FunctionDef) and stmt.name.startswith("_fp32patch_")
+                    if is_helper or (not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)) and _ours(stmt)):
+                        self.removed.append(ast.unparse(stmt).split("\n")[0])
+                    else:
+                        kept.append(stmt)
+                setattr(node, name, kept)
+        return super().generic_visit(node)
+
+
+def _follows(func: ast.AST, first: str, then: str) -> None:
+    """In ``func``, the statement right after the one that starts with ``first`` is ``then``."""
+    for node in ast.walk(func):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            continue
+        for stmt, nxt in zip(body, body[1:], strict=False):
+            if ast.unparse(stmt).startswith(first):
+                assert ast.unparse(nxt) == then, (first, ast.unparse(nxt))
+                return
+    raise AssertionError(f"no statement starting with {first!r}")
+
+
+def _setup_correct(before: str, after: str, args: str) -> None:
+    tree = ast.parse(after)
+    _follows(_top("setup_model_and_optimizer")(tree), "model = get_model(", f"model = {WIRE}(model, policy_cfg)")
+    _follows(
+        _top("build_inference_model")(tree),
+        "inference_model = get_model(",
+        f"inference_model = {WIRE}(inference_model, policy_cfg)",
+    )
+    guard = _top("validate_and_set_config")(tree)
+    first = guard.body[1] if ast.get_docstring(guard) is not None else guard.body[0]
+    assert ast.unparse(first) == "_fp32patch_check_config(config, f'megatron worker rank {rank}')"
+    _follows(_top("_apply_precision_config")(tree), "model_cfg.pipeline_dtype = ", ast.unparse(_residual_if()))
+    stripper = _StripSetup()
+    stripped = stripper.visit(ast.parse(after))
+    assert len(stripper.removed) == 4 + len(
+        [n for n in ast.parse(after).body if isinstance(n, ast.FunctionDef) and n.name.startswith("_fp32patch_")]
+    )
+    assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it should"
+
+
+def _residual_if() -> ast.stmt:
+    spec = next(s for s in load_specs() if s.id == "nemo-rl-fp32-lm-head")
+    (edit,) = [e for e in spec.variants[0].edits if e.id == "residual"]
+    return ast.parse(edit.code).body[0]
+
+
 # ---------------------------------------------------------------- the property
 
 
@@ -655,6 +831,8 @@ class Case:
     correct: Callable[[str, str, str], None]
     args: str
     examples: int
+    # a spec over several files: the others, unchanged (the mutated one is its first file)
+    others: Callable[[], dict[str, bytes]] | None = None
 
 
 CASES = [
@@ -705,6 +883,18 @@ CASES = [
         "",
         120,
     ),
+    Case(
+        "nemo-rl-fp32-lm-head",
+        "nemo-rl-fixture-setup",
+        lambda: _nemo_rl_checkout()[SETUP],
+        None,
+        SETUP,
+        _setup_mutations,
+        _setup_correct,
+        "",
+        100,
+        others=lambda: {p: t.encode() for p, t in _nemo_rl_checkout().items() if p != SETUP},
+    ),
 ]
 
 
@@ -754,7 +944,9 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
         for mutation, seed in chosen:
             text = mutation.apply(text, seed)
         compile(text, "mutated", "exec", dont_inherit=True)  # the generator makes valid Python
-        result = transform(spec, text.encode(), path=case.path, version=case.version)
+        others = case.others() if case.others else None
+        inputs = {**others, case.path: text.encode()} if others else text.encode()
+        result = transform(spec, inputs, path=case.path, version=case.version)
         breaking = [m.name for m, _ in chosen if m.breaking]
         if breaking:
             assert result.status in ERRORS, (breaking, result.status, result.message)
@@ -764,11 +956,13 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
             assert result.status == "applied", ([m.name for m, _ in chosen], result.message)
             after = result.new.decode()
             compile(after, "patched", "exec", dont_inherit=True)
+            own = [e.id for e in spec.variants[0].edits if e.file == spec.target.files[0][0]]
             assert sorted(_own_line_markers(after, spec.id)) == sorted(
-                f"# fp32patch: {spec.id} [{e}]" for e in spec.edit_ids
+                f"# fp32patch: {spec.id} [{e}]" for e in (own if others else spec.edit_ids)
             )
             case.correct(text, after, case.args)
-            again = transform(spec, result.new, path=case.path, version=case.version)
+            patched = {**inputs, **result.files} if others else result.new
+            again = transform(spec, patched, path=case.path, version=case.version)
             assert again.status == "already-applied", again.message
         outcomes[result.status] = outcomes.get(result.status, 0) + 1
 

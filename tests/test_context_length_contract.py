@@ -142,27 +142,26 @@ def test_partly_fixed_file_honours_it_once_patched(tmp_path, doubles, case):
     assert violation(patched(tmp_path, "partial_route_fixed.py"), case, NEMO_GYM_LENGTH_RULE) is None
 
 
-# The first upstream fix answers the clamp's overflow but not a ValueError from vLLM's own
-# serving layer (get_max_tokens), which still escapes as a 500. The issue counts that fix
-# as obsolete all the same; strict, so the day it changes is noticed.
-_FIX1_GAP = pytest.mark.xfail(strict=True, reason="upstream fix 1 leaves vLLM's serving-layer overflow a 500")
-
-
-@pytest.mark.parametrize(
-    ("source", "case"),
-    [
-        pytest.param(source, case, id=f"{source}-{case.id}", marks=_FIX1_GAP if gap else ())
-        for source in ("upstream_fix_clamp.py", "upstream_fix_route.py")
-        for case in CASES
-        for gap in [source == "upstream_fix_clamp.py" and case.id == "vllm-serving"]
-    ],
-)
-def test_obsolete_files_already_honour_it(tmp_path, doubles, source, case):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_obsolete_file_already_honours_it(tmp_path, doubles, case):
     # what `obsolete` promises: upstream's own fix, left untouched, keeps the contract
-    target = site_packages(tmp_path, fixture(source))
+    target = site_packages(tmp_path, fixture("upstream_fix_route.py"))
     code, data = cli("apply", "-s", str(tmp_path), "--patch", PATCH_ID)
     assert (code, data["patches"][0]["status"]) == (0, "obsolete")
     assert violation(load_module(target), case, NEMO_GYM_LENGTH_RULE) is None
+
+
+def test_first_upstream_fix_alone_leaves_vllms_serving_overflow_a_500(tmp_path, doubles):
+    # why that fix is not `obsolete`: its clamp is answered, vLLM's own ValueError is not
+    module = load_module(site_packages(tmp_path, fixture("upstream_fix_clamp.py")))
+    serving = next(c for c in CASES if c.id == "vllm-serving")
+    assert violation(module, serving, NEMO_GYM_LENGTH_RULE) is not None
+
+
+@pytest.mark.parametrize("case", OUR_ROUTE_CASES, ids=lambda c: c.id)
+def test_first_upstream_fix_honours_it_once_patched(tmp_path, doubles, case):
+    # upstream's clamp stays as it is; the route gets our handler for every other overflow
+    assert violation(patched(tmp_path, "upstream_fix_clamp.py"), case, NEMO_GYM_LENGTH_RULE) is None
 
 
 def test_unpatched_route_turns_the_clamp_overflow_into_a_500(tmp_path, monkeypatch):

@@ -109,24 +109,39 @@ def test_hand_formatted_file_gets_the_same_edits_and_nothing_else(tmp_path):
     assert patched.index("except ValueError as e:") < patched.index("if isinstance(generator, ErrorResponse)")
 
 
-@pytest.mark.parametrize(
-    ("name", "fix"),
-    [
-        ("upstream_fix_clamp.py", "the clamp raises VLLMValidationError"),
-        ("upstream_fix_route.py", "the route answers a ValueError overflow"),
-    ],
-)
-def test_each_upstream_fix_is_obsolete(tmp_path, name, fix):
-    original = fixture(name)
+def test_upstream_route_fix_is_obsolete(tmp_path):
+    original = fixture("upstream_fix_route.py")
     target = site_packages(tmp_path, original)
 
     code, out = _run("apply", tmp_path)
     assert (code, out["status"]) == (0, "obsolete"), out
-    assert fix in out["message"]
+    assert "the route answers a ValueError overflow" in out["message"]
     assert target.read_bytes() == original
 
     code, out = _run("verify", tmp_path)
     assert (code, out["status"]) == (0, "obsolete")
+
+
+def test_upstream_clamp_fix_keeps_its_clamp_and_gets_the_route(tmp_path):
+    # the first upstream fix answers its own clamp's overflow, but the route still turns
+    # vLLM's serving-layer ValueError into a 500: only the route edit is missing
+    original = fixture("upstream_fix_clamp.py")
+    target = site_packages(tmp_path, original)
+
+    code, out = _run("apply", tmp_path)
+    assert (code, out["status"]) == (0, "applied"), out
+    assert (out["edits"], out["skipped"]) == (["route-overflow-400"], ["clamp-message"])
+    patched = target.read_text()
+    assert ROUTE_MARKER in patched and CLAMP_MARKER not in patched
+    removed, _ = _changed_lines(original, target.read_bytes())
+    assert removed == []  # upstream's clamp is untouched: the handler is only added
+
+    code, out = _run("apply", tmp_path)
+    assert (code, out["status"]) == (0, "already-applied")
+    code, out = _run("verify", tmp_path)
+    assert (code, out["status"]) == (0, "applied")
+    code, _ = _run("revert", tmp_path)
+    assert code == 0 and target.read_bytes() == original
 
 
 def test_partly_fixed_file_keeps_upstream_route_and_gets_the_clamp(tmp_path):

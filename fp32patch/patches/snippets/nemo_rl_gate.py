@@ -1,0 +1,88 @@
+def _fp32patch_get(section, key):
+    """``section[key]`` of a dict-like config, or the attribute of a pydantic one; None if absent."""
+    if section is None:
+        return None
+    if hasattr(section, "keys") and hasattr(section, "get"):
+        return section.get(key)
+    return getattr(section, key, None)
+
+
+def _fp32patch_asked(policy_cfg=None, generation_cfg=None):
+    """Whether this NeMo-RL config asks for fp32patch (else the stock code runs, fp32patch unimported).
+
+    It asks when policy.megatron_cfg holds an fp32 LM-head key, spelled right or nearly so
+    (the runtime names the right key), or fp32_residual_connection, or when vLLM's
+    NRL_VLLM_FP32_LM_HEAD (generation.vllm_cfg.env_vars, else this process's environment)
+    is set to anything but "" or "0".
+    """
+    import os
+
+    megatron = _fp32patch_get(policy_cfg, "megatron_cfg")
+    keys = megatron.keys() if hasattr(megatron, "keys") else vars(megatron) if hasattr(megatron, "__dict__") else ()
+    for key in keys:
+        folded = str(key).lower().replace("_", "").replace("-", "")
+        if folded == "fp32residualconnection" or (folded.startswith("fp32") and "lm" in folded and "head" in folded):
+            return True
+    if generation_cfg is None:
+        generation_cfg = _fp32patch_get(policy_cfg, "generation")
+    env_vars = _fp32patch_get(_fp32patch_get(generation_cfg, "vllm_cfg"), "env_vars")
+    for value in (_fp32patch_get(env_vars, "NRL_VLLM_FP32_LM_HEAD"), os.environ.get("NRL_VLLM_FP32_LM_HEAD")):
+        if value is not None and str(value).strip() not in ("", "0"):
+            return True
+    return False
+
+
+def _fp32patch_runtime(where):
+    """fp32patch's NeMo-RL runtime; a config that asks for it in a venv without fp32patch is an error."""
+    try:
+        import fp32patch.runtime.nemo_rl as runtime
+    except ImportError as exc:
+        import sys
+
+        raise RuntimeError(
+            f"{where}: this NeMo-RL config asks for fp32patch's fp32 LM head (a policy.megatron_cfg.fp32_* "
+            f"key, or NRL_VLLM_FP32_LM_HEAD), but fp32patch cannot be imported by {sys.executable} ({exc}). "
+            "NeMo-RL runs each actor in its own venv: install fp32patch into every one of them, or drop "
+            "those settings."
+        ) from exc
+    return runtime
+
+
+def _fp32patch_check_config(policy_cfg, where):
+    """Refuse a config that gives fp32 logits to one engine only (fp32patch's guard), where it asks."""
+    if _fp32patch_asked(policy_cfg):
+        _fp32patch_runtime(where).check_config(policy_cfg, where=where)
+
+
+def _fp32patch_wire_megatron(model, policy_cfg):
+    """The Megatron model chunks with fp32patch's fp32 output layer where the config asks for it."""
+    if not _fp32patch_asked(policy_cfg):
+        return model
+    return _fp32patch_runtime("megatron worker").wire_megatron(model, _fp32patch_get(policy_cfg, "megatron_cfg"))
+
+
+def _fp32patch_probe_vllm(generation):
+    """Ask every vLLM worker for the dtype of its logits; refuse to go on where one disagrees.
+
+    The driver's vLLM generation holds only the generation config: the workers are held to
+    the vLLM switch it sets, and the guard in the policy holds that switch to Megatron's.
+    """
+    cfg = generation.cfg
+    if not _fp32patch_asked(generation_cfg=cfg):
+        return
+    import os
+
+    import ray
+
+    runtime = _fp32patch_runtime("driver")
+    vllm_cfg = _fp32patch_get(cfg, "vllm_cfg")
+    value = _fp32patch_get(_fp32patch_get(vllm_cfg, "env_vars"), "NRL_VLLM_FP32_LM_HEAD")
+    if value is None:
+        value = os.environ.get("NRL_VLLM_FP32_LM_HEAD")
+    expected = "fp32" if value is not None and str(value).strip() not in ("", "0") else None
+    method = "fp32patch_probe_lm_head_async" if _fp32patch_get(vllm_cfg, "async_engine") else "fp32patch_probe_lm_head"
+    futures = generation.worker_group.run_all_workers_single_data(
+        method, run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"]
+    )
+    # one list of reports per engine; the runtime flattens them in order and names each worker
+    runtime.check_probe_reports(ray.get(futures), expected, where="driver")

@@ -1,0 +1,843 @@
+"""nemo-rl-fp32-lm-head: the spec through the CLI on stand-in NeMo-RL checkouts, then the
+patched code run.
+
+tests/fixtures/nemo_rl_shapes.py builds a checkout for each shape the spec supports (one
+per change of the anchors over 2026) and one where upstream merged its own
+apply_fp32_lm_head. Here: what lands on disk, the statuses and exit codes, and what the
+inserted code does when NeMo-RL runs it: the patched files are imported and their
+functions called with Megatron, Ray and vLLM doubles and the real
+fp32patch.runtime.nemo_rl (real megatron-core and vLLM runs are the runtime's heavy
+suites). The opt-in test at the end runs over a real NeMo-RL checkout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures.nemo_rl_shapes import (
+    ASYNC_WORKER,
+    GENERATION,
+    MERGED,
+    PATCHES,
+    SETUP,
+    SHAPES,
+    WORKER,
+    checkout,
+    files_at,
+)
+from tests.nemo_rl_harness import cli, load_module
+
+PATCH_ID = "nemo-rl-fp32-lm-head"
+CONTEXT_ID = "nemo-rl-context-length-400"
+POLICY = "nemo_rl/models/policy/lm_policy.py"
+BACKEND = "nemo_rl/models/generation/vllm/vllm_backend.py"
+FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES]
+VAR = "NRL_VLLM_FP32_LM_HEAD"
+
+ENGINE_V2 = (resources.files("fp32patch.patches") / f"{PATCH_ID}.toml").is_file()
+needs_engine = pytest.mark.skipif(
+    not ENGINE_V2, reason="the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)"
+)
+
+
+def _run(command: str, root: Path, *patch_ids: str) -> tuple[int, dict]:
+    """``fp32patch <command> -s root --patch ...``: exit code and this patch's outcome."""
+    args = [command, "-s", str(root)]
+    for patch_id in patch_ids or (PATCH_ID,):
+        args += ["--patch", patch_id]
+    code, data = cli(*args)
+    (outcome,) = [p for p in data["patches"] if p["id"] == PATCH_ID]
+    return code, outcome
+
+
+def _sources(root: Path) -> dict[str, bytes]:
+    """The checkout's Python files and their bytes (bytecode the engine refreshes is not source)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.py"))}
+
+
+def _markers(text: str) -> set[str]:
+    prefix = f"# fp32patch: {PATCH_ID} ["
+    return {line.strip()[len(prefix) : -1] for line in text.splitlines() if line.strip().startswith(prefix)}
+
+
+SHAPE_IDS = [f"{s.date}-{s.name}" for s in SHAPES]
+
+
+# ---------------------------------------------------------------- the CLI, shape by shape
+
+
+@needs_engine
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_apply_verify_revert_reapply_on_every_shape(tmp_path, shape):
+    root = checkout(shape.name, tmp_path / "nemo-rl")
+    before = _sources(root)
+
+    code, out = _run("apply", root)
+    assert (code, out["status"]) == (0, "applied"), out
+    patched = _sources(root)
+    # every file the shape has is patched, and only those; each edit left its marker once
+    present = [f for f in FILES if f in before]
+    assert sorted(p for p in patched if patched[p] != before[p]) == sorted(present)
+    edits = set().union(*(_markers(patched[f].decode()) for f in present))
+    assert "wire-policy" in edits and "probe-driver" in edits and "guard-driver" in edits
+    assert ("wire-inference-model" in edits) == (shape.variant == "inference-model")
+    assert ("env-copy" in edits) == (PATCHES in before)
+    assert ("env-copy-in-worker" in edits) == (PATCHES not in before)
+    for path in present:
+        compile(patched[path], path, "exec", dont_inherit=True)
+
+    code, out = _run("verify", root)
+    assert (code, out["status"]) == (0, "applied"), out
+    code, out = _run("apply", root)
+    assert (code, out["status"]) == (0, "already-applied"), out
+    assert _sources(root) == patched
+
+    code, out = _run("revert", root)
+    assert code == 0, out
+    assert _sources(root) == before  # byte for byte, every file
+    code, out = _run("verify", root)
+    assert (code, out["status"]) == (1, "not-applied")
+
+    code, out = _run("apply", root)
+    assert (code, out["status"]) == (0, "applied")
+    assert _sources(root) == patched  # the same edits again, byte for byte
+
+
+@needs_engine
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_each_shape_gets_its_own_variant(tmp_path, shape):
+    root = checkout(shape.name, tmp_path / "nemo-rl")
+    code, data = cli("apply", "-s", str(root), "--patch", PATCH_ID, "--dry-run")
+    assert code == 0, data
+    (out,) = data["patches"]
+    assert (out["status"], out["variant"]) == ("would-apply", shape.variant), out
+
+
+@needs_engine
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[-1]], ids=[SHAPE_IDS[0], SHAPE_IDS[-1]])
+def test_together_with_the_context_length_patch(tmp_path, shape):
+    # both NeMo-RL patches edit vllm_worker_async.py: one chain, applied and reverted together
+    root = checkout(shape.name, tmp_path / "nemo-rl")
+    before = _sources(root)
+    code, data = cli("apply", "-s", str(root), "--patch", PATCH_ID, "--patch", CONTEXT_ID)
+    assert code == 0, data
+    assert {p["id"]: p["status"] for p in data["patches"]} == {PATCH_ID: "applied", CONTEXT_ID: "applied"}
+    text = (root / ASYNC_WORKER).read_text()
+    assert f"# fp32patch: {PATCH_ID} [probe-worker-async]" in text
+    assert f"# fp32patch: {CONTEXT_ID} [route-overflow-400]" in text
+
+    code, data = cli("verify", "-s", str(root))
+    assert code == 0 and {p["status"] for p in data["patches"] if p["id"] in (PATCH_ID, CONTEXT_ID)} == {"applied"}
+
+    # one patch out, the other stays
+    code, data = cli("revert", "-s", str(root), "--patch", PATCH_ID)
+    assert code == 0, data
+    text = (root / ASYNC_WORKER).read_text()
+    assert PATCH_ID not in text and f"# fp32patch: {CONTEXT_ID} [route-overflow-400]" in text
+    code, data = cli("revert", "-s", str(root))
+    assert code == 0, data
+    assert _sources(root) == before
+
+
+@needs_engine
+def test_upstream_merged_is_obsolete_and_nothing_is_written(tmp_path):
+    root = checkout(MERGED.name, tmp_path / "nemo-rl")
+    before = _sources(root)
+    code, out = _run("apply", root)
+    assert (code, out["status"]) == (0, "obsolete"), out
+    assert "apply_fp32_lm_head" in out["message"]
+    assert _sources(root) == before
+    assert not (root / ".fp32patch").exists() or not any((root / ".fp32patch").rglob("*.py"))
+    code, out = _run("verify", root)
+    assert (code, out["status"]) == (0, "obsolete")
+
+
+def _replace(path: str, old: str, new: str):
+    def mutate(root: Path) -> None:
+        target = root / path
+        text = target.read_text()
+        assert text.count(old) == 1, f"the mutation's target moved: {old!r}"
+        target.write_text(text.replace(old, new))
+
+    return mutate
+
+
+# a NeMo-RL that moved an anchor: edit -> (what changed, what the refusal must name)
+MUTATIONS = {
+    "wire-policy": (_replace(SETUP, "    model = get_model(", "    chunks = get_model("), "get_model"),
+    "wire-inference-model": (
+        _replace(SETUP, "        inference_model = get_model(", "        built = get_model("),
+        "build_inference_model",
+    ),
+    "residual": (_replace(SETUP, "model_cfg.pipeline_dtype = ", "model_cfg.pipe_dtype = "), "_apply_precision_config"),
+    "guard-driver": (_replace(POLICY, "class Policy:", "class LMPolicy:"), "Policy.__init__"),
+    "probe-extension": (
+        _replace(BACKEND, "def report_device_id(self) -> str:", "def device_uuid(self) -> str:"),
+        "report_device_id",
+    ),
+    "probe-driver": (
+        _replace(
+            GENERATION,
+            "            self.device_uuids = self._report_device_id()",
+            "            self.device_uuids = list(self._report_device_id())",
+        ),
+        "self.device_uuids = self._report_device_id()",
+    ),
+    "env-copy": (_replace(PATCHES, "env_vars_to_copy = [", "names_to_copy = ["), "env_vars_to_copy"),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("edit", MUTATIONS)
+def test_a_moved_anchor_exits_3_naming_it_and_writes_nothing(tmp_path, edit):
+    mutate, named = MUTATIONS[edit]
+    root = checkout(SHAPES[0].name, tmp_path / "nemo-rl")
+    mutate(root)
+    before = _sources(root)
+    code, out = _run("apply", root)
+    assert code == 3, out
+    assert out["status"] in ("anchor-missing", "anchor-ambiguous"), out
+    assert edit in out["message"] and named in out["message"], out["message"]
+    assert _sources(root) == before
+
+
+@needs_engine
+def test_a_missing_second_file_is_named(tmp_path):
+    root = checkout(SHAPES[0].name, tmp_path / "nemo-rl")
+    (root / POLICY).unlink()
+    before = _sources(root)
+    code, out = _run("apply", root)
+    assert code == 3, out
+    assert POLICY in out["message"]
+    assert _sources(root) == before
+
+
+@needs_engine
+def test_without_megatron_setup_nemo_rl_is_not_installed(tmp_path):
+    root = checkout(SHAPES[0].name, tmp_path / "nemo-rl")
+    (root / SETUP).unlink()
+    code, out = _run("verify", root)
+    assert out["status"] == "not-installed", out
+
+
+# ---------------------------------------------------------------- running the patched code
+
+needs_runtime = pytest.mark.skipif(
+    importlib.util.find_spec("fp32patch.runtime.nemo_rl") is None,
+    reason="fp32patch.runtime.nemo_rl (branch nrt) is not merged yet",
+)
+
+
+@pytest.fixture(scope="module")
+def patched_roots(tmp_path_factory) -> dict[str, Path]:
+    """Every shape, patched once by the CLI, for the tests that import and run it."""
+    if not ENGINE_V2:
+        pytest.skip("the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)")
+    roots = {}
+    for shape in SHAPES:
+        root = checkout(shape.name, tmp_path_factory.mktemp(shape.name))
+        code, out = _run("apply", root)
+        assert code == 0, out
+        roots[shape.name] = root
+    return roots
+
+
+def _module(name: str, **attrs: Any) -> ModuleType:
+    module = ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+def _install(monkeypatch, modules: dict[str, ModuleType]) -> None:
+    for name, module in modules.items():
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent not in sys.modules:
+                monkeypatch.setitem(sys.modules, parent, _module(parent))
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+# -- Megatron doubles: get_model builds chunks, runs the pre-wrap hooks, wraps each chunk
+
+
+class Float16Module(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+class DistributedDataParallel(Float16Module):
+    pass
+
+
+@dataclass
+class ModelProvider:
+    """Megatron-Bridge's model provider (a TransformerConfig): the fields NeMo-RL sets here."""
+
+    stages: tuple[bool, ...] = (True,)  # post_process of each virtual-pipeline chunk
+    tensor_model_parallel_size: int = 1
+    recompute_granularity: str | None = "full"
+    bf16: bool = False
+    fp16: bool = False
+    params_dtype: Any = None
+    pipeline_dtype: Any = None
+    fp32_residual_connection: bool = False
+
+
+@dataclass
+class GetModel:
+    """megatron.bridge's get_model: build, run the pre-wrap hooks, wrap; records each call."""
+
+    calls: list[dict] = field(default_factory=list)
+
+    def __call__(self, provider, ddp_config, *, pre_wrap_hook=(), mixed_precision_wrapper=Float16Module, **kwargs):
+        from tests.test_megatron_lm_head_unit import Model
+
+        torch.manual_seed(len(self.calls))
+        chunks = [Model(post_process=stage) for stage in provider.stages]
+        for hook in pre_wrap_hook:
+            chunks = hook(chunks)
+        chunks = [mixed_precision_wrapper(c) for c in chunks]
+        if kwargs.get("wrap_with_ddp", True):
+            chunks = [DistributedDataParallel(c) for c in chunks]
+        self.calls.append({"provider": provider, "chunks": chunks, **kwargs})
+        return chunks
+
+
+def megatron_doubles(monkeypatch, provider: ModelProvider) -> GetModel:
+    get_model = GetModel()
+    bridge = SimpleNamespace(to_megatron_provider=lambda: provider)
+    _install(
+        monkeypatch,
+        {
+            "megatron.bridge": _module(
+                "megatron.bridge", AutoBridge=SimpleNamespace(from_hf_pretrained=lambda name: bridge)
+            ),
+            "megatron.bridge.models.model_provider": _module(
+                "megatron.bridge.models.model_provider", get_model=get_model
+            ),
+            "megatron.core.transformer.module": _module(
+                "megatron.core.transformer.module", Float16Module=Float16Module
+            ),
+        },
+    )
+    return get_model
+
+
+def policy_cfg(fp32_lm_head: Any = None, env: str | None = None, **megatron: Any) -> dict:
+    """NeMo-RL's policy section, as the driver and the Megatron workers receive it."""
+    megatron_cfg = {
+        "enabled": True,
+        "freeze_moe_router": False,
+        "pipeline_dtype": "bfloat16",
+        "sequence_parallel": False,
+        "tensor_model_parallel_size": 1,
+        **megatron,
+    }
+    if fp32_lm_head is not None:
+        megatron_cfg["fp32_lm_head"] = fp32_lm_head
+    env_vars = {} if env is None else {VAR: env}
+    return {
+        "model_name": "tiny",
+        "precision": "bfloat16",
+        "megatron_cfg": megatron_cfg,
+        "generation": {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"env_vars": env_vars}},
+    }
+
+
+def _heads(chunks) -> list:
+    from fp32patch.runtime.megatron_lm_head import _output_layer
+
+    return [layer for layer in (_output_layer(c) for c in chunks) if layer is not None]
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("mode", [True, "fp32out", "tf32"])
+def test_policy_chunks_get_the_fp32_head_after_every_pre_wrap_hook(monkeypatch, patched_roots, shape, mode):
+    from fp32patch.runtime.megatron_lm_head import fp32_lm_head_mode
+    from tests.test_megatron_lm_head_unit import Nest
+
+    monkeypatch.delenv(VAR, raising=False)
+    # two virtual-pipeline chunks, the head on the last; a hook (PEFT, value head) rewraps each chunk
+    provider = ModelProvider(stages=(False, True))
+    megatron_doubles(monkeypatch, provider)
+    setup = load_module(patched_roots[shape.name] / SETUP)
+    cfg = SimpleNamespace(model=provider, ddp=None)
+    hook_seen = []
+
+    def adapter_hook(chunks):
+        hook_seen.append(len(chunks))
+        return [Nest("module", c) for c in chunks]
+
+    state = setup.setup_model_and_optimizer(policy_cfg(mode, env="1"), cfg, additional_pre_wrap_hooks=[adapter_hook])
+    assert hook_seen == [2]
+    (head,) = _heads(state.chunks)
+    assert fp32_lm_head_mode(head) == ("fp32" if mode is True else mode)
+    x = torch.randn(2, 8).bfloat16()
+    assert head(x)[0].dtype == torch.float32
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_without_the_keys_the_stock_path_runs_and_fp32patch_is_not_imported(monkeypatch, patched_roots, shape):
+    monkeypatch.delenv(VAR, raising=False)
+    provider = ModelProvider()
+    megatron_doubles(monkeypatch, provider)
+    # an image without fp32patch in the Megatron venv: any import of the runtime would fail
+    monkeypatch.setitem(sys.modules, "fp32patch.runtime.nemo_rl", None)
+    setup = load_module(patched_roots[shape.name] / SETUP)
+    cfg = SimpleNamespace(model=provider, ddp=None)
+    state = setup.setup_model_and_optimizer(policy_cfg(), cfg)
+    (head,) = _heads(state.chunks)
+    assert "_forward_impl" not in head.__dict__
+    assert head(torch.randn(2, 8).bfloat16())[0].dtype == torch.bfloat16
+    model_cfg, _ = setup.validate_and_set_config(policy_cfg(), 0, "tiny", None, None, None)
+    assert model_cfg.fp32_residual_connection is False
+
+
+@needs_runtime
+def test_a_config_that_asks_without_fp32patch_says_to_install_it(monkeypatch, patched_roots):
+    monkeypatch.delenv(VAR, raising=False)
+    megatron_doubles(monkeypatch, ModelProvider())
+    monkeypatch.setitem(sys.modules, "fp32patch.runtime.nemo_rl", None)
+    setup = load_module(patched_roots[SHAPES[0].name] / SETUP)
+    with pytest.raises(RuntimeError, match=r"megatron worker rank 2: .*install fp32patch into every one"):
+        setup.validate_and_set_config(policy_cfg("fp32", env="1"), 2, "tiny", None, None, None)
+
+
+@needs_runtime
+def test_the_inference_model_of_colocated_megatron_generation_is_wired(monkeypatch, patched_roots):
+    from fp32patch.runtime.megatron_lm_head import fp32_lm_head_mode
+
+    get_model = megatron_doubles(monkeypatch, ModelProvider())
+    setup = load_module(patched_roots[SHAPES[0].name] / SETUP)
+    # NeMo-RL hands it the inference config: megatron_cfg merged with mcore_generation_config
+    cfg = policy_cfg("fp32out", env="1", tensor_model_parallel_size=2)
+    model = setup.build_inference_model(cfg, SimpleNamespace(ddp=None), ModelProvider())
+    assert get_model.calls[-1]["wrap_with_ddp"] is False
+    (head,) = _heads([model])
+    assert fp32_lm_head_mode(head) == "fp32out"
+
+
+@needs_runtime
+def test_reference_logprobs_swap_weights_into_the_wired_model(monkeypatch, patched_roots):
+    # NeMo-RL keeps the reference model as a state dict and loads it into the policy model
+    # for reference log-probs: the fp32 head must survive the swap and compute with its weights
+    provider = ModelProvider()
+    megatron_doubles(monkeypatch, provider)
+    setup = load_module(patched_roots[SHAPES[0].name] / SETUP)
+    stock = setup.setup_model_and_optimizer(policy_cfg(), SimpleNamespace(model=provider, ddp=None))
+    wired = setup.setup_model_and_optimizer(policy_cfg("fp32", env="1"), SimpleNamespace(model=provider, ddp=None))
+    assert wired.model.state_dict().keys() == stock.model.state_dict().keys()
+
+    reference = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in stock.model.state_dict().items()}
+    wired.model.load_state_dict(reference)
+    (head,) = _heads([wired.model])
+    x = torch.randn(3, 8).bfloat16()
+    logits = head(x)[0]
+    assert logits.dtype == torch.float32
+    expected = x.double() @ head.weight.double().t()
+    assert torch.allclose(logits.double(), expected, rtol=1e-6, atol=1e-6)
+    (weight,) = [v for k, v in reference.items() if k.endswith("output_layer.weight")]
+    assert torch.equal(head.weight, weight)
+
+
+@needs_runtime
+@pytest.mark.parametrize(
+    ("cfg", "fragments"),
+    [
+        (policy_cfg("fp32"), ["megatron worker rank 3", "NRL_VLLM_FP32_LM_HEAD"]),
+        (policy_cfg(env="1"), ["megatron worker rank 3", "fp32_lm_head"]),
+        (policy_cfg(fp32_lm_heads=True, env="1"), ["megatron worker rank 3", "policy.megatron_cfg.fp32_lm_head"]),
+        (
+            policy_cfg(
+                "fp32", env="1", fp32_residual_connection=True, model_overrides={"fp32_residual_connection": False}
+            ),
+            ["model_overrides", "fp32_residual_connection"],
+        ),
+        (policy_cfg(fp32_residual_connection="yes"), ["fp32_residual_connection", "true or false"]),
+    ],
+    ids=["megatron-only", "vllm-only", "near-miss-key", "residual-set-twice", "residual-not-a-bool"],
+)
+def test_each_megatron_worker_refuses_a_bad_config_before_building(monkeypatch, patched_roots, cfg, fragments):
+    from fp32patch.runtime.config import Fp32LmHeadConfigError
+
+    monkeypatch.delenv(VAR, raising=False)
+    get_model = megatron_doubles(monkeypatch, ModelProvider())
+    setup = load_module(patched_roots[SHAPES[-1].name] / SETUP)
+    with pytest.raises(Fp32LmHeadConfigError) as info:
+        setup.validate_and_set_config(cfg, 3, "tiny", None, None, None)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert get_model.calls == []
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("residual", [True, False])
+def test_fp32_residual_connection_reaches_the_transformer_config(monkeypatch, patched_roots, shape, residual):
+    monkeypatch.delenv(VAR, raising=False)
+    megatron_doubles(monkeypatch, ModelProvider(fp32_residual_connection=not residual))
+    setup = load_module(patched_roots[shape.name] / SETUP)
+    model_cfg, _ = setup.validate_and_set_config(
+        policy_cfg("fp32", env="1", fp32_residual_connection=residual), 0, "tiny", None, None, None
+    )
+    assert model_cfg.fp32_residual_connection is residual
+    assert model_cfg.pipeline_dtype == torch.bfloat16  # NeMo-RL's own precision settings stay
+
+
+# -- the driver's guard
+
+
+@dataclass
+class Cluster:
+    """The driver's Ray cluster: records the workers started, builds them with ``build``."""
+
+    build: Any = None
+    started: list[str] = field(default_factory=list)
+
+    def start_workers(self, builder: str, config: dict, name_prefix: str = ""):
+        self.started.append(builder)
+        return self.build(config) if self.build is not None else None
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[-1]], ids=[SHAPE_IDS[0], SHAPE_IDS[-1]])
+def test_the_driver_refuses_a_one_sided_config_before_any_policy_worker_starts(monkeypatch, patched_roots, shape):
+    from fp32patch.runtime.config import Fp32LmHeadConfigError
+
+    monkeypatch.delenv(VAR, raising=False)
+    lm_policy = load_module(patched_roots[shape.name] / POLICY)
+    cluster = Cluster()
+    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(driver\).*NRL_VLLM_FP32_LM_HEAD"):
+        lm_policy.Policy(cluster, policy_cfg("fp32"), tokenizer=None)
+    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(driver\).*fp32_lm_head"):
+        lm_policy.Policy(cluster, policy_cfg(fp32lmhead=True, env="1"), tokenizer=None)
+    assert cluster.started == []
+
+    lm_policy.Policy(cluster, policy_cfg("fp32", env="1"), tokenizer=None)
+    lm_policy.Policy(cluster, policy_cfg(), tokenizer=None)
+    assert len(cluster.started) == 2
+
+
+# -- vLLM doubles: a generation actor's engine runs NeMo-RL's extension in each worker
+
+# A vLLM model file in the shape the runtime reads: its compute_logits routes through
+# fp32patch's runtime where a fp32patch edit put that route, as the vLLM specs do.
+_VLLM_MODEL = """
+import os
+
+import torch
+
+
+class UnquantizedEmbeddingMethod:
+    def apply(self, layer, x, bias=None):
+        return torch.nn.functional.linear(x, layer.weight, bias)
+
+
+class ParallelLMHead(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = UnquantizedEmbeddingMethod()
+
+
+class LogitsProcessor:
+    def __call__(self, lm_head, hidden_states):
+        return lm_head.quant_method.apply(lm_head, hidden_states)
+
+
+class TinyForCausalLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.norm = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+        self.lm_head = ParallelLMHead((torch.randn(16, 8, generator=gen) * 0.1).bfloat16())
+        self.logits_processor = LogitsProcessor()
+
+    def compute_logits(self, hidden_states):
+ROUTE
+        return self.logits_processor(self.lm_head, hidden_states)
+"""
+_ROUTE = """\
+        # fp32patch: test-vllm-model [route]
+        if os.environ.get("NRL_VLLM_FP32_LM_HEAD", "") not in ("", "0"):
+            from fp32patch.runtime import vllm_lm_head
+
+            return vllm_lm_head.compute_logits(self, hidden_states)
+"""
+
+
+def vllm_model_class(tmp_path: Path, monkeypatch, *, patched: bool) -> type:
+    name = f"_tiny_vllm_model_{'patched' if patched else 'stock'}_{abs(hash(tmp_path))}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(_VLLM_MODEL.replace("ROUTE\n", _ROUTE if patched else ""))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # the probe reads the class's file
+    spec.loader.exec_module(module)
+    return module.TinyForCausalLM
+
+
+@dataclass
+class Engine:
+    """vLLM's LLM (or AsyncLLM): collective_rpc runs a method of NeMo-RL's extension in
+    every worker, each with the environment its own process would have."""
+
+    workers: list[Any]
+    environments: list[dict[str, str]]
+
+    def _call(self, method: str, args: tuple) -> list:
+        results = []
+        for worker, environment in zip(self.workers, self.environments, strict=True):
+            saved = os.environ.get(VAR)
+            os.environ.pop(VAR, None)
+            os.environ.update(environment)
+            try:
+                results.append(getattr(worker, method)(*args))
+            finally:
+                os.environ.pop(VAR, None)
+                if saved is not None:
+                    os.environ[VAR] = saved
+        return results
+
+    def collective_rpc(self, method: str, args: tuple = ()):
+        return self._call(method, args)
+
+
+class AsyncEngine(Engine):
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        return self._call(method, args)
+
+
+@dataclass
+class WorkerGroup:
+    actors: list[Any]
+
+    def run_all_workers_single_data(self, method: str, run_rank_0_only_axes=None):
+        return [getattr(actor, method)() for actor in self.actors]
+
+
+def ray_double() -> ModuleType:
+    def get(futures):
+        items = futures if isinstance(futures, list) else [futures]
+        done = [asyncio.run(f) if inspect.isawaitable(f) else f for f in items]
+        return done if isinstance(futures, list) else done[0]
+
+    return _module("ray", get=get)
+
+
+def generation_cfg(env: str | None, async_engine: bool) -> dict:
+    return {
+        "backend": "vllm",
+        "vllm_cfg": {"async_engine": async_engine, "env_vars": {} if env is None else {VAR: env}},
+    }
+
+
+def start_generation(monkeypatch, tmp_path, root: Path, *, cfg: dict, engines: list[list[dict]], patched_model=True):
+    """NeMo-RL's VllmGeneration on the patched checkout ``root``: one actor per engine, each
+    engine with one vLLM worker per environment in ``engines``."""
+    monkeypatch.setitem(sys.modules, "ray", ray_double())
+    model_class = vllm_model_class(tmp_path, monkeypatch, patched=patched_model)
+    backend = load_module(root / BACKEND)
+    async_engine = cfg["vllm_cfg"]["async_engine"]
+    actor_module = load_module(root / (ASYNC_WORKER if async_engine else WORKER))
+    actor_class = next(
+        v
+        for v in vars(actor_module).values()
+        if isinstance(v, type) and hasattr(v, "report_device_id_async" if async_engine else "report_device_id")
+    )
+
+    def actor(environments: list[dict]) -> Any:
+        workers = []
+        for index in range(len(environments)):
+            worker = backend.VllmInternalWorkerExtension()
+            worker.model_runner = SimpleNamespace(model=model_class())
+            worker.device = SimpleNamespace(index=index)
+            workers.append(worker)
+        engine = (AsyncEngine if async_engine else Engine)(workers, environments)
+        return actor_class(engine) if async_engine else actor_class(cfg, engine)
+
+    cluster = Cluster(build=lambda config: WorkerGroup([actor(envs) for envs in engines]))
+    generation = load_module(root / GENERATION)
+    return generation.VllmGeneration(cluster, cfg)
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("async_engine", [False, True], ids=["sync", "async"])
+def test_the_probe_passes_when_every_vllm_worker_computes_fp32(
+    monkeypatch, tmp_path, patched_roots, shape, async_engine, caplog
+):
+    monkeypatch.delenv(VAR, raising=False)
+    caplog.set_level("INFO", logger="nemo_rl.fp32patch")
+    generation = start_generation(
+        monkeypatch,
+        tmp_path,
+        patched_roots[shape.name],
+        cfg=generation_cfg("1", async_engine),
+        engines=[[{VAR: "1"}, {VAR: "1"}], [{VAR: "1"}, {VAR: "1"}]],  # DP=2 engines of TP=2
+    )
+    assert generation.device_uuids == [["GPU-0", "GPU-1"], ["GPU-0", "GPU-1"]]
+    lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl.fp32patch"]
+    assert len(lines) == 1 and "4 vLLM worker(s) compute float32 logits" in lines[0], lines
+
+
+@needs_runtime
+@pytest.mark.parametrize("async_engine", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("cfg_env", "worker_envs", "patched_model", "fragments"),
+    [
+        # NeMo-RL before it read vllm_cfg.env_vars: the variable never reached one worker
+        ("1", [{VAR: "1"}, {}], True, ["vLLM worker 1", "unset in that process"]),
+        # the vLLM venv was left unpatched: the model's compute_logits is vLLM's own
+        ("1", [{VAR: "1"}, {VAR: "1"}], False, ["vLLM worker 0", "vLLM worker 1", "not patched"]),
+        # vLLM workers in fp32 while the config (and so Megatron) is off
+        ("0", [{VAR: "1"}, {VAR: "0"}], True, ["vLLM worker 0 ", "Megatron train on bf16"]),
+    ],
+    ids=["variable-missing-in-a-worker", "unpatched-vllm", "vllm-fp32-megatron-off"],
+)
+def test_the_probe_refuses_each_disagreement_naming_the_worker(
+    monkeypatch, tmp_path, patched_roots, async_engine, cfg_env, worker_envs, patched_model, fragments
+):
+    from fp32patch.runtime.nemo_rl import Fp32LmHeadMismatchError
+
+    if cfg_env == "0":
+        monkeypatch.setenv(VAR, "1")  # the driver's environment asks; the config's env_vars say 0
+    else:
+        monkeypatch.delenv(VAR, raising=False)
+    with pytest.raises(Fp32LmHeadMismatchError) as info:
+        start_generation(
+            monkeypatch,
+            tmp_path,
+            patched_roots[SHAPES[0].name],
+            cfg=generation_cfg(cfg_env, async_engine),
+            engines=[worker_envs],
+            patched_model=patched_model,
+        )
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+@needs_runtime
+def test_without_the_variable_the_probe_never_runs(monkeypatch, tmp_path, patched_roots):
+    monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.setitem(sys.modules, "fp32patch.runtime.nemo_rl", None)  # fp32patch absent
+    generation = start_generation(
+        monkeypatch, tmp_path, patched_roots[SHAPES[0].name], cfg=generation_cfg(None, False), engines=[[{}]]
+    )
+    assert generation.device_uuids == [["GPU-0"]]
+
+
+@needs_runtime
+def test_the_probe_method_is_the_runtimes_rpc_name(patched_roots):
+    from fp32patch.runtime.nemo_rl import PROBE_RPC
+
+    backend = load_module(patched_roots[SHAPES[0].name] / BACKEND)
+    assert callable(getattr(backend.VllmInternalWorkerExtension, PROBE_RPC))
+
+
+# -- the variable reaches vLLM's v1 Ray executor
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.variant == "inference-model"], ids=lambda s: s.date)
+def test_the_variable_is_named_for_vllms_ray_workers(monkeypatch, patched_roots, shape):
+    monkeypatch.delenv("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", raising=False)
+    patches = load_module(patched_roots[shape.name] / PATCHES)
+    patches._patch_vllm_init_workers_ray("/venvs/vllm/bin/python", ["VLLM_QUANT_CFG"])
+    names = os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")
+    assert VAR in names and "VLLM_QUANT_CFG" in names
+
+
+# vLLM's v1 Ray executor line that NeMo-RL rewrote before vLLM 0.25 (vLLM's own text)
+_EXECUTOR = 'ADDITIONAL_ENV_VARS = {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"}\nself._init_workers_ray(placement_group)\n'
+
+
+@pytest.mark.parametrize(
+    "shape", [s for s in SHAPES if s.variant not in ("inference-model", "env-vars-to-copy")], ids=lambda s: s.name
+)
+@pytest.mark.parametrize("extra", [[], ["VLLM_QUANT_CFG"]], ids=["no-extra", "extra"])
+def test_the_variable_joins_vllms_executor_line(tmp_path, patched_roots, shape, extra):
+    executor = tmp_path / "vllm" / "v1" / "executor" / "ray_executor.py"
+    executor.parent.mkdir(parents=True)
+    executor.write_text(_EXECUTOR)
+    root = patched_roots[shape.name]
+    if (root / PATCHES).exists():
+        patches = load_module(root / PATCHES)
+        patches.VLLM_DIR = str(tmp_path / "vllm")
+        patches._patch_vllm_init_workers_ray("/venvs/vllm/bin/python", extra)
+    else:
+        worker = load_module(root / WORKER)
+        actor = worker.BaseVllmGenerationWorker({}, None)
+        actor._apply_vllm_patches(str(tmp_path / "vllm"), "/venvs/vllm/bin/python", extra)
+    line = executor.read_text().splitlines()[0]
+    namespace: dict = {}
+    exec(line, namespace)  # the rewritten line is still Python, and a set of names
+    assert VAR in namespace["ADDITIONAL_ENV_VARS"]
+    if shape is not SHAPES[-1]:  # the January line was a literal: no extra names yet
+        assert set(extra) <= namespace["ADDITIONAL_ENV_VARS"]
+
+
+# ---------------------------------------------------------------- a real NeMo-RL checkout
+
+
+@needs_engine
+@pytest.mark.skipif(
+    not os.environ.get("FP32PATCH_NEMO_RL_CHECKOUT"),
+    reason="set FP32PATCH_NEMO_RL_CHECKOUT to a NeMo-RL checkout (nemo_rl/ and pyproject.toml) to try the spec on it",
+)
+def test_a_real_nemo_rl_checkout(tmp_path):
+    # a copy is patched, never the checkout itself
+    real = Path(os.environ["FP32PATCH_NEMO_RL_CHECKOUT"])
+    root = tmp_path / "nemo-rl"
+    (root / "nemo_rl").mkdir(parents=True)
+    (root / "pyproject.toml").write_bytes((real / "pyproject.toml").read_bytes())
+    for path in [*FILES, "nemo_rl/__init__.py"]:
+        if (real / path).is_file():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_bytes((real / path).read_bytes())
+    before = _sources(root)
+
+    code, out = _run("apply", root)
+    assert code == 0, out
+    assert out["status"] in ("applied", "obsolete"), out
+    for path in FILES:
+        if (root / path).is_file():
+            compile((root / path).read_bytes(), path, "exec", dont_inherit=True)
+    code, verified = _run("verify", root)
+    assert (code, verified["status"]) == (0, out["status"])
+    code, _ = _run("revert", root)
+    assert code == 0 and _sources(root) == before
+    # the patched files, compiled by the Python NeMo-RL runs (where one is given)
+    python = os.environ.get("FP32PATCH_NEMO_RL_PYTHON")
+    if python:
+        _run("apply", root)
+        files = [str(root / p) for p in FILES if (root / p).is_file()]
+        check = subprocess.run([python, "-m", "py_compile", *files], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        _run("revert", root)
+
+
+def test_fixture_shapes_are_what_their_names_say():
+    # the derived shapes differ from the newest exactly where their variant says
+    newest, oldest = files_at(SHAPES[0].name), files_at(SHAPES[-1].name)
+    assert "def build_inference_model" in newest[SETUP] and "def build_inference_model" not in oldest[SETUP]
+    assert PATCHES in newest and PATCHES not in oldest
+    assert "def load_and_start" in newest[GENERATION] and "def load_and_start" not in oldest[GENERATION]
+    assert textwrap.dedent("class VllmAsyncGenerationWorker:") in oldest[ASYNC_WORKER]
