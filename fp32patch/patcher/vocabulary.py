@@ -9,6 +9,7 @@ tree, registered under the same names.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,18 @@ def parse_statements(code: str) -> list[ast.stmt]:
     return ast.parse(code.replace(CALL_ARGS, "_call_args").strip("\n") + "\n").body
 
 
+@functools.lru_cache(maxsize=1024)
+def statements_error(code: str) -> tuple[str, int | None] | None:
+    """Why ``code`` is not Python statements (message, line), or None. Cached: a spec's
+    variants repeat the same snippets, and specs load on every command."""
+    try:
+        parse_statements(code)
+    except SyntaxError as exc:
+        return exc.msg, exc.lineno
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
 def pattern_kind(code: str) -> str:
     """What a ``match`` pattern is: "expr", "stmt" or "handler"; raises SyntaxError/ValueError."""
     try:
@@ -60,10 +73,9 @@ def pattern_kind(code: str) -> str:
 
 
 def _statements_ok(edit: Edit, fail: Fail) -> None:
-    try:
-        parse_statements(edit.code)
-    except SyntaxError as exc:
-        fail("code", f"not valid Python statements: {exc.msg} (line {exc.lineno})")
+    error = statements_error(edit.code)
+    if error is not None:
+        fail("code", f"not valid Python statements: {error[0]} (line {error[1]})")
 
 
 @dataclass(frozen=True)
