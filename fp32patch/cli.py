@@ -364,6 +364,8 @@ def list_(as_json: Json = False, specs: Specs = None) -> None:
 @app.command()
 def ops(as_json: Json = False) -> None:
     """List the operations a spec's edits can use, with their fields."""
+    from rich.markup import escape
+
     from fp32patch.patcher.vocabulary import EDIT_FIELDS, OPERATIONS
 
     common = ("id", "op", "file", "code", "code_file", "count", "skip_when")
@@ -385,7 +387,7 @@ def ops(as_json: Json = False) -> None:
     for column in ("field", "meaning"):
         fields.add_column(column, overflow="fold")
     for name, meaning in EDIT_FIELDS.items():
-        fields.add_row(name, meaning)
+        fields.add_row(name, escape(meaning))
     out.print(fields)
 
 

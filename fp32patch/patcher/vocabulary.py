@@ -21,7 +21,7 @@ Fail = Callable[[str, str], None]
 # Fields every edit may carry, with what they mean (shown by `fp32patch ops` and the README).
 EDIT_FIELDS: dict[str, str] = {
     "id": "lower-case, dash-separated name of the edit; it is in the marker `# fp32patch: <patch> [<id>]`",
-    "op": "the operation (one of the names below)",
+    "op": "the operation: one of `fp32patch ops`",
     "file": "which of the target's files it edits (a short name from [target] files); needed when there are several",
     "scope": "dotted class/def path of the anchor (`Cls.method`, `*` one name, `**` any run of names); empty: the module",
     "params": "the scope function's exact parameter names, in order (a signature change then refuses)",
