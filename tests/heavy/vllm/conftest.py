@@ -9,6 +9,7 @@ imports the patched vLLM, exactly as an image patched at build time would.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -59,3 +60,31 @@ def vllm_runtime():
 
     with tiny.session(free_port()) as builder:
         yield builder
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Set (a value) or unset (None) NRL_VLLM_FP32_LM_HEAD for one test."""
+
+    def set_way(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("NRL_VLLM_FP32_LM_HEAD", raising=False)
+        else:
+            monkeypatch.setenv("NRL_VLLM_FP32_LM_HEAD", value)
+
+    return set_way
+
+
+@pytest.fixture
+def decisions():
+    """The runtime's log lines (vLLM's logger may not propagate to the root logger)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.fp32patch")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import logging
 import sys
 import sysconfig
 import types
@@ -33,31 +32,6 @@ def _native() -> bool:
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     return hasattr(LogitsProcessor, "_apply_head")
-
-
-@pytest.fixture
-def env(monkeypatch):
-    def set_way(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv("NRL_VLLM_FP32_LM_HEAD", raising=False)
-        else:
-            monkeypatch.setenv("NRL_VLLM_FP32_LM_HEAD", value)
-
-    return set_way
-
-
-@pytest.fixture
-def decisions():
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.fp32patch")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

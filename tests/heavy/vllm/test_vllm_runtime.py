@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -14,32 +13,6 @@ from tests.heavy.vllm import tiny
 from tests.heavy.vllm.conftest import NEMOTRON, PATCHED_ROOT, REPO
 
 WAYS = ["1", "fp32out", "copy"]
-
-
-@pytest.fixture
-def env(monkeypatch):
-    def set_way(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv("NRL_VLLM_FP32_LM_HEAD", raising=False)
-        else:
-            monkeypatch.setenv("NRL_VLLM_FP32_LM_HEAD", value)
-
-    return set_way
-
-
-@pytest.fixture
-def decisions():
-    """The runtime's log lines (vLLM's logger may not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.fp32patch")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def hidden(rows: int = 7, seed: int = 1) -> torch.Tensor:
@@ -268,7 +241,10 @@ with tiny_session() as build:
 
 @pytest.mark.parametrize(
     ("family", "says"),
-    [("nemotron-h", "asks for fp32 LM-head logits"), ("qwen2", "asks for fp32 logits")],  # each patch's own gate
+    [
+        ("nemotron-h", "asks for fp32 LM-head logits"),
+        ("qwen2", "asks for fp32 LM-head logits"),
+    ],  # one gate for both patches
 )
 def test_patched_file_works_where_fp32patch_is_not_installed(tmp_path, family, says):
     """Off: stock behaviour. On: the first use fails, saying fp32patch is missing."""
