@@ -351,6 +351,8 @@ def _way(model: Any, env: str | None, dtype: str, patched: bool, file: str | Non
         return "off", f"{VLLM_ENV_VAR} is {state} in this process"
     info = vllm_lm_head.describe(model)[0]
     way = info.get("way")
+    if way in (None, "stock") and not patched and dtype != "float32":
+        return "stock", f"the model file is not patched (run fp32patch apply in that venv): {file}"
     if way is not None:
         return way, info.get("reason") or _WAY_REASONS.get(way, way)
     if dtype == "float32":

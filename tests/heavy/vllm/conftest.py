@@ -9,6 +9,7 @@ imports the patched vLLM, exactly as an image patched at build time would.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -88,3 +89,23 @@ def decisions():
     yield records
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+@pytest.fixture(scope="session")
+def stock_processor_class():
+    """The environment's unpatched LogitsProcessor, loaded under another module name."""
+    import vllm.model_executor.layers.logits_processor  # noqa: F401  (the patched one registers first)
+    from vllm.model_executor import custom_op
+
+    registry = custom_op.op_registry  # vLLM registers the class by name and refuses a second one
+    path = Path(sysconfig.get_paths()["purelib"]) / "vllm/model_executor/layers/logits_processor.py"
+    spec = importlib.util.spec_from_file_location("stock_logits_processor", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["stock_logits_processor"] = module
+    kept = registry.pop("logits_processor")
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        registry["logits_processor"] = kept
+    assert not hasattr(module, "_fp32patch_lm_head_runtime")
+    return module.LogitsProcessor

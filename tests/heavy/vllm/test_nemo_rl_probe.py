@@ -9,6 +9,7 @@ rank each, with their own environment.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -69,7 +70,8 @@ def test_on_reports_float32_and_the_way_and_the_check_agrees(vllm_runtime, var, 
     ]
 
 
-@pytest.mark.parametrize(("value", "way"), [("1", ("copy", "fp32out")), ("copy", ("copy",))])
+# "1" is vLLM's own head_dtype=float32 on 0.26+ (native), the best runtime way before
+@pytest.mark.parametrize(("value", "way"), [("1", ("copy", "fp32out", "native")), ("copy", ("copy",))])
 def test_each_value_reports_its_way(vllm_runtime, var, value, way):
     var(value)
     report = probe_vllm_model(vllm_runtime.model())
@@ -101,10 +103,15 @@ def test_on_against_megatron_off_is_refused(vllm_runtime, var):
     assert f"computes float32 logits while {KEY} is off: {VAR}='1' in that process" in message
 
 
-def test_an_unpatched_model_file_with_the_variable_set_is_refused(vllm_runtime, var):
+def test_an_unpatched_model_file_with_the_variable_set_is_refused(vllm_runtime, var, stock_processor_class):
+    """A venv left unpatched: neither the model file nor the logits processor carries the patches."""
     var("fp32out")
     stock = tiny.stock_module()
-    report = probe_vllm_model(vllm_runtime.model(stock.NemotronHForCausalLM))
+    model = vllm_runtime.model(stock.NemotronHForCausalLM)
+    processor = copy.copy(model.logits_processor)
+    processor.__class__ = stock_processor_class
+    model.logits_processor = processor
+    report = probe_vllm_model(model)
     assert (report["dtype"], report["way"], report["patched"]) == ("bfloat16", "stock", False)
     assert report["reason"].startswith("the model file is not patched (run fp32patch apply in that venv)")
     message = refusal([report], "fp32out")
@@ -188,8 +195,18 @@ def test_a_head_the_runtime_leaves_stock_is_refused_with_the_runtime_reason(vllm
 
 
 def test_an_invalid_value_in_the_worker_is_reported_and_refused(vllm_runtime, var):
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
     var("TF32")
-    report = probe_vllm_model(vllm_runtime.model())
+    if hasattr(LogitsProcessor, "_apply_head"):  # vLLM 0.26+ reads it as the processor is built
+        with pytest.raises(ValueError, match="NRL_VLLM_FP32_LM_HEAD='TF32' is not a valid value"):
+            vllm_runtime.model()
+        var("1")
+        model = vllm_runtime.model()
+        var("TF32")
+    else:
+        model = vllm_runtime.model()
+    report = probe_vllm_model(model)
     assert report["dtype"] is None and report["env"] == "TF32"
     assert report["reason"].startswith("compute_logits raised ValueError: NRL_VLLM_FP32_LM_HEAD='TF32'")
     assert f"computes no logits while {KEY}='fp32out': compute_logits raised ValueError" in refusal([report], "fp32out")

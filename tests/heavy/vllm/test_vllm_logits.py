@@ -9,11 +9,7 @@ within 1e-5 of float64, through every refit.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-import sysconfig
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,26 +28,6 @@ def _native() -> bool:
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     return hasattr(LogitsProcessor, "_apply_head")
-
-
-@pytest.fixture(scope="session")
-def stock_processor_class():
-    """The environment's unpatched LogitsProcessor, loaded under another module name."""
-    import vllm.model_executor.layers.logits_processor  # noqa: F401  (the patched one registers first)
-    from vllm.model_executor import custom_op
-
-    registry = custom_op.op_registry  # vLLM registers the class by name and refuses a second one
-    path = Path(sysconfig.get_paths()["purelib"]) / LOGITS
-    spec = importlib.util.spec_from_file_location("stock_logits_processor", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["stock_logits_processor"] = module
-    kept = registry.pop("logits_processor")
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        registry["logits_processor"] = kept
-    assert not hasattr(module, "_fp32patch_lm_head_runtime")
-    return module.LogitsProcessor
 
 
 def stock_logits(model, stock_class, h):
