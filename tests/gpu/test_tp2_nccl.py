@@ -89,7 +89,7 @@ def _worker(rank, world, port, mode, sequence_parallel, results):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["gather-output", "sequence-parallel"])
-@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp32out", "fp32out-hilo"])
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"])
 def test_tp2_matches_one_gpu(mode, sequence_parallel):
     pytest.importorskip("megatron.core")
     import socket
