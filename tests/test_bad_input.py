@@ -301,7 +301,7 @@ AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 def _can_run_as_nobody() -> bool:
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         return False
-    probe = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import fp32patch"], capture_output=True, cwd="/")
+    probe = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import fp32patch.cli"], capture_output=True, cwd="/")
     return probe.returncode == 0
 
 
