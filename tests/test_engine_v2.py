@@ -222,7 +222,7 @@ def test_an_entry_whose_spec_is_not_loaded_fails_verify_and_reverts_without_it(t
     rows = {p["id"]: p for p in data["patches"]}
     assert code == 1 and rows["demo-second"]["status"] == "spec-not-loaded"
     assert f"fp32patch revert -s {root} --patch demo-second" in rows["demo-second"]["message"]
-    code, data = cli.json("revert", "-s", root)
+    code, data = cli.json("revert", "-s", root, "--patch", "demo-second")  # the hint, as printed
     assert code == 0 and {p["id"]: p["status"] for p in data["patches"]}["demo-second"] == "reverted"
     assert (root / NEMOTRON).read_bytes() == original
     assert cli("status", "-s", root).exit_code == 0

@@ -52,12 +52,11 @@ def revert(
     """Restore the original bytes of every file the selected patches changed (sha256-checked)."""
     inv = Invocation(tuple(roots), tuple(envs), spec_dir)
     specs = {s.id: s for s in _loaded(spec_dir)}
-    unknown = [i for i in ids if i not in specs]
-    if unknown:
-        select_specs(ids, spec_dir)  # raises UsageError naming them, unless a manifest records them below
     found = _state_roots(list(specs.values()), roots, envs)
-    if unknown and not any(e.patch in unknown for root in found for e in load_manifest(root).entries):
-        select_specs(ids, spec_dir)
+    # an id no loaded spec defines is fine when a manifest here records it (revert needs no spec)
+    recorded = {e.patch for root in found for e in load_manifest(root).entries}
+    if any(i not in specs and i not in recorded for i in ids):
+        select_specs(ids, spec_dir)  # raises the UsageError that names them
     outcomes: list[Outcome] = []
     notes: list[str] = []
     refused = False
