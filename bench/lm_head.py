@@ -12,7 +12,9 @@ Everything runs through the project's own runtime functions:
 
 Each shape is measured in one run: CUDA-event times (median of ``--iters`` after
 ``--warmup``) as a ratio to the bf16 GEMM, extra device memory, and the mean |Δ log p| of
-sampled tokens against a float64 reference. The train/generation agreement puts the same
+sampled tokens against a float64 reference. The ways of a shape are timed ``--rounds``
+times, interleaved (each round starts one way later), and each ratio is the median over
+rounds of the way's time over the bf16 time of the same round. The train/generation agreement puts the same
 hidden states through both sides and reports mean exp(|Δ log p|) between them.
 
     python bench/lm_head.py --out bench/out/results.json [--plot bench/out/plot.png] [--quick]
@@ -199,7 +201,7 @@ def inputs(t: int, hdim: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return h, w
 
 
-def bench_inference(shape, warmup, iters) -> dict:
+def bench_inference(shape, warmup, iters, rounds: int = 1) -> dict:
     t, hdim, v = shape
     h, w = inputs(t, hdim, v)
     model = Model(w)
@@ -223,10 +225,8 @@ def bench_inference(shape, warmup, iters) -> dict:
         out = infer(way, model, h)
         _sync()
         transient = _peak() - base2 - out_bytes
-        ms = time_ms(lambda way=way: infer(way, model, h), warmup, iters)
         err = (token_logp(out, tokens) - ref_lp).abs()
         rows[way] = {
-            "ms": ms,
             "extra_bytes_persistent": persistent,
             "extra_bytes_transient": max(transient, 0),
             "logits_dtype": str(out.dtype).removeprefix("torch."),
@@ -236,10 +236,26 @@ def bench_inference(shape, warmup, iters) -> dict:
         del out
         if way.endswith("copy"):
             vllm_lm_head_reset(model)
-    base_ms = rows["bf16"]["ms"]
-    for row in rows.values():
-        row["ratio"] = row["ms"] / base_ms
+    # timed after the memory figures, interleaved (the copy ways rebuild their copy during
+    # their warm-up when another way dropped it)
+    times = time_rounds({way: (lambda way=way: infer(way, model, h)) for way in INFER_WAYS}, warmup, iters, rounds)
+    vllm_lm_head_reset(model)
+    _add_times(rows, times)
     return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "mean_max_abs_logit": logits_max, "ways": rows}
+
+
+def _add_times(rows: dict, times: dict[str, list[float]]) -> None:
+    """Each way's median time and its ratio to bf16: the median over rounds of the way's
+    time over the bf16 time of the same round, with the smallest and largest of those."""
+    for way, row in rows.items():
+        ratios = [ms / base for ms, base in zip(times[way], times["bf16"], strict=True)]
+        row.update(
+            ms=statistics.median(times[way]),
+            ratio=statistics.median(ratios),
+            ratio_min=min(ratios),
+            ratio_max=max(ratios),
+            ms_rounds=times[way],
+        )
 
 
 def vllm_lm_head_reset(model: Model) -> None:
@@ -248,12 +264,29 @@ def vllm_lm_head_reset(model: Model) -> None:
     _reset_peak()
 
 
+class StockLinear(torch.autograd.Function):
+    """Megatron-Core's output layer as it runs without fp32patch (one GPU, no wgrad fusion):
+    ``x @ W.T`` forward; ``g @ W`` and ``g.T @ x`` backward, each one bf16 GEMM, the weight
+    gradient returned in W's layout. (Autograd's own ``matmul`` backward makes the weight
+    gradient as ``(x.T @ g).T``, a transposed view that ``.grad`` then copies.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.matmul(x, w.t())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g.matmul(w), g.t().matmul(x)
+
+
 def train_step(way: str, x: torch.Tensor, w: torch.Tensor, grad32: torch.Tensor, grad16: torch.Tensor) -> None:
-    if way == "bf16":  # Megatron's stock output layer: a bf16 GEMM, bf16 logits and gradient
-        logits = torch.matmul(x, w.t())
+    if way == "bf16":  # Megatron's stock output layer: bf16 GEMMs, bf16 logits and gradient
+        logits = StockLinear.apply(x, w)
         logits.backward(grad16)
     elif way == "bf16+casts":
-        logits = torch.matmul(x, w.t()).float()
+        logits = StockLinear.apply(x, w).float()
         logits.backward(grad32)
     else:
         logits = lm_head_linear(x, w, None, way)
@@ -262,7 +295,22 @@ def train_step(way: str, x: torch.Tensor, w: torch.Tensor, grad32: torch.Tensor,
     w.grad = None
 
 
-def bench_training(shape, warmup, iters, ways=TRAIN_WAYS) -> dict:
+def time_rounds(fns: dict, warmup: int, iters: int, rounds: int) -> dict[str, list[float]]:
+    """``time_ms`` of every function, ``rounds`` times over, interleaved: round r starts at
+    the r-th function, so that no way is always measured right after the same one (a GPU's
+    clocks follow its recent power draw: a way timed once, right after the fp32 GEMMs,
+    reads slower than the same way timed cool)."""
+    names = list(fns)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            _sync()
+            out[name].append(time_ms(fns[name], warmup, iters))
+    return out
+
+
+def bench_training(shape, warmup, iters, ways=TRAIN_WAYS, rounds: int = 1) -> dict:
     t, hdim, v = shape
     h, w0 = inputs(t, hdim, v, seed=1)
     x = h.clone().requires_grad_(True)
@@ -278,14 +326,11 @@ def bench_training(shape, warmup, iters, ways=TRAIN_WAYS) -> dict:
     dw64 = grad32.double().t() @ h.double()
     rows = {}
     for way in ways:
-        _sync()
-        _reset_peak()
-        ms = time_ms(lambda way=way: train_step(way, x, w, grad32, grad16), warmup, iters)
         # errors as a trainer with gradient-accumulation fusion sees them: the input
         # gradient in bf16, the weight gradient accumulated in fp32 (main_grad)
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         if way in ("bf16", "bf16+casts"):  # Megatron's fused wgrad: bf16 operands, fp32 accumulation
-            torch.matmul(x, w.t()).backward(grad16, inputs=[x])
+            StockLinear.apply(x, w).backward(grad16, inputs=[x])
             w.main_grad += fp32out.mm(grad16.t().contiguous(), x.detach())
         else:
             lm_head_linear(x, w, None, way, fuse_wgrad=True).backward(grad32)
@@ -294,11 +339,14 @@ def bench_training(shape, warmup, iters, ways=TRAIN_WAYS) -> dict:
         x.grad = None
         w.grad = None
         del w.main_grad
-        rows[way] = {"ms": ms, "rel_err_dx": dx_err, "rel_err_dw_main_grad": dw_err}
-    base_ms = rows["bf16"]["ms"]
-    for row in rows.values():
-        row["ratio"] = row["ms"] / base_ms
-    return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "ways": rows}
+        rows[way] = {"rel_err_dx": dx_err, "rel_err_dw_main_grad": dw_err}
+    del dx64, dw64
+    _reset_peak()
+    times = time_rounds(
+        {way: (lambda way=way: train_step(way, x, w, grad32, grad16)) for way in ways}, warmup, iters, rounds
+    )
+    _add_times(rows, times)
+    return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "rounds": rounds, "ways": rows}
 
 
 def agreement(shape, decode_rows: int = 512) -> dict:
@@ -384,19 +432,25 @@ def table(results: dict) -> str:
     for block in results["inference"]:
         s = block["shape"]
         lines.append(f"\ninference T={s['tokens']} H={s['hidden']} V={s['vocab']}")
-        lines.append(f"{'way':<14}{'ms':>9}{'ratio':>8}{'extra MiB':>11}{'transient MiB':>15}{'mean|dlogp|':>13}")
+        lines.append(
+            f"{'way':<16}{'ms':>9}{'ratio':>8}{'rounds min-max':>16}{'extra MiB':>11}{'transient MiB':>15}"
+            f"{'mean|dlogp|':>13}"
+        )
         for way, r in block["ways"].items():
+            spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
             lines.append(
-                f"{way:<14}{r['ms']:>9.2f}{r['ratio']:>8.3f}{r['extra_bytes_persistent'] / 2**20:>11.1f}"
+                f"{way:<16}{r['ms']:>9.2f}{r['ratio']:>8.3f}{spread:>16}{r['extra_bytes_persistent'] / 2**20:>11.1f}"
                 f"{r['extra_bytes_transient'] / 2**20:>15.1f}{r['mean_abs_dlogp']:>13.2e}"
             )
     for block in results["training"]:
         s = block["shape"]
         lines.append(f"\ntraining fwd+bwd T={s['tokens']} H={s['hidden']} V={s['vocab']}")
-        lines.append(f"{'mode':<18}{'ms':>9}{'ratio':>8}{'err dx':>11}{'err dW(main_grad)':>19}")
+        lines.append(f"{'mode':<18}{'ms':>9}{'ratio':>8}{'rounds min-max':>16}{'err dx':>11}{'err dW(main_grad)':>19}")
         for way, r in block["ways"].items():
+            spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
             lines.append(
-                f"{way:<18}{r['ms']:>9.2f}{r['ratio']:>8.3f}{r['rel_err_dx']:>11.2e}{r['rel_err_dw_main_grad']:>19.2e}"
+                f"{way:<18}{r['ms']:>9.2f}{r['ratio']:>8.3f}{spread:>16}{r['rel_err_dx']:>11.2e}"
+                f"{r['rel_err_dw_main_grad']:>19.2e}"
             )
     for block in results["agreement"]:
         lines.append(f"\ntrain/generation agreement (vLLM side in batches of {block['decode_rows']} rows)")
@@ -412,7 +466,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/results.json"))
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="time every way this many times, interleaved; a ratio is the median over rounds",
+    )
     parser.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
     parser.add_argument(
         "--cpu", action="store_true", help="a smoke run of the logic on the CPU (no timings worth reading)"
@@ -439,16 +499,18 @@ def main() -> int:
             "python": platform.python_version(),
             "host": platform.node(),
         },
-        "settings": {"warmup": args.warmup, "iters": args.iters},
+        "settings": {"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds},
     }
     parts = args.only or ["inference", "training", "agreement"]
     ways = args.train_ways.split(",")
     unknown = sorted(set(ways) - set(TRAIN_WAYS))
     if unknown or "bf16" not in ways:
         parser.error(f"--train-ways: unknown {unknown} (the ratios need bf16); known: {', '.join(TRAIN_WAYS)}")
-    results["inference"] = [bench_inference(s, args.warmup, args.iters) for s in shapes] if "inference" in parts else []
+    results["inference"] = (
+        [bench_inference(s, args.warmup, args.iters, args.rounds) for s in shapes] if "inference" in parts else []
+    )
     results["training"] = (
-        [bench_training(s, args.warmup, args.iters, ways) for s in shapes] if "training" in parts else []
+        [bench_training(s, args.warmup, args.iters, ways, args.rounds) for s in shapes] if "training" in parts else []
     )
     results["agreement"] = [agreement(shapes[0])] if "agreement" in parts else []
     args.out.parent.mkdir(parents=True, exist_ok=True)

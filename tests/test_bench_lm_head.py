@@ -1,0 +1,62 @@
+"""The LM-head benchmark's measuring logic on the CPU: interleaved rounds, per-round ratios,
+and a stock bf16 baseline whose gradients are Megatron's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import lm_head
+
+
+@pytest.fixture
+def cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lm_head, "DEVICE", "cpu")
+
+
+def test_rounds_rotate_the_order_and_keep_every_time(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    fake = iter(range(100))
+    monkeypatch.setattr(lm_head, "time_ms", lambda fn, warmup, iters: (fn(), float(next(fake)))[1])
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = lm_head.time_rounds(fns, warmup=0, iters=1, rounds=4)
+    # each round starts one function later, so none always follows the same one
+    assert calls == [*"abc", *"bca", *"cab", *"abc"]
+    assert times == {"a": [0.0, 5.0, 7.0, 9.0], "b": [1.0, 3.0, 8.0, 10.0], "c": [2.0, 4.0, 6.0, 11.0]}
+
+
+def test_ratios_are_per_round_medians() -> None:
+    rows = {"bf16": {}, "x": {}}
+    # the bf16 time drifts; x is always 1.1x the bf16 time of its own round
+    times = {"bf16": [10.0, 20.0, 12.0], "x": [11.0, 22.0, 13.2]}
+    lm_head._add_times(rows, times)
+    assert rows["bf16"]["ratio"] == 1.0
+    assert rows["x"]["ratio"] == pytest.approx(1.1)
+    assert (rows["x"]["ratio_min"], rows["x"]["ratio_max"]) == (pytest.approx(1.1), pytest.approx(1.1))
+    assert rows["x"]["ms"] == 13.2  # the median time, reported beside the ratio
+    assert rows["x"]["ms_rounds"] == [11.0, 22.0, 13.2]
+
+
+def test_stock_linear_gives_megatrons_gradients() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=gen).bfloat16().requires_grad_(True)
+    w = torch.randn(5, 8, generator=gen).bfloat16().requires_grad_(True)
+    g = torch.randn(6, 5, generator=gen).bfloat16()
+    lm_head.StockLinear.apply(x, w).backward(g)
+    assert torch.equal(x.grad, g @ w.detach())
+    assert torch.equal(w.grad, g.t() @ x.detach())
+    assert w.grad.is_contiguous()
+
+
+def test_training_bench_runs_every_way_on_the_cpu(cpu: None) -> None:
+    block = lm_head.bench_training((64, 32, 128), warmup=0, iters=1, rounds=2)
+    ways = block["ways"]
+    assert list(ways) == lm_head.TRAIN_WAYS
+    assert block["rounds"] == 2
+    assert ways["bf16"]["ratio"] == 1.0
+    for row in ways.values():
+        assert len(row["ms_rounds"]) == 2
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    # the weight gradient: fp32out at or below TF32's error, far below bf16's
+    assert ways["fp32out"]["rel_err_dw_main_grad"] < ways["bf16"]["rel_err_dw_main_grad"] / 4
+    assert ways["fp32"]["rel_err_dw_main_grad"] < 1e-6
