@@ -697,6 +697,26 @@ def test_the_probe_passes_when_every_vllm_worker_computes_fp32(
     assert generation.device_uuids == [["GPU-0", "GPU-1"], ["GPU-0", "GPU-1"]]
     lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl.fp32patch"]
     assert len(lines) == 1 and "4 vLLM worker(s) compute float32 logits" in lines[0], lines
+    # the driver knows the vLLM switch, not Megatron's mode: the line names what asked
+    assert f"as {VAR}='1' in policy.generation.vllm_cfg.env_vars asks" in lines[0], lines
+    assert "Megatron fp32_lm_head=" not in lines[0]
+
+
+@needs_runtime
+def test_the_probe_names_the_drivers_environment_when_the_config_has_no_switch(
+    monkeypatch, tmp_path, patched_roots, caplog
+):
+    monkeypatch.setenv(VAR, "fp32out")
+    caplog.set_level("INFO", logger="nemo_rl.fp32patch")
+    start_generation(
+        monkeypatch,
+        tmp_path,
+        patched_roots[SHAPES[0].name],
+        cfg=generation_cfg(None, False),
+        engines=[[{VAR: "fp32out"}]],
+    )
+    lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl.fp32patch"]
+    assert len(lines) == 1 and f"as {VAR}='fp32out' in the driver's environment asks" in lines[0], lines
 
 
 @needs_runtime
@@ -705,11 +725,21 @@ def test_the_probe_passes_when_every_vllm_worker_computes_fp32(
     ("cfg_env", "worker_envs", "patched_model", "fragments"),
     [
         # NeMo-RL before it read vllm_cfg.env_vars: the variable never reached one worker
-        ("1", [{VAR: "1"}, {}], True, ["vLLM worker 1", "unset in that process"]),
+        (
+            "1",
+            [{VAR: "1"}, {}],
+            True,
+            ["vLLM worker 1", f"while {VAR}='1' in policy.generation.vllm_cfg.env_vars: ", "unset in that process"],
+        ),
         # the vLLM venv was left unpatched: the model's compute_logits is vLLM's own
         ("1", [{VAR: "1"}, {VAR: "1"}], False, ["vLLM worker 0", "vLLM worker 1", "not patched"]),
         # vLLM workers in fp32 while the config (and so Megatron) is off
-        ("0", [{VAR: "1"}, {VAR: "0"}], True, ["vLLM worker 0 ", "Megatron train on bf16"]),
+        (
+            "0",
+            [{VAR: "1"}, {VAR: "0"}],
+            True,
+            ["vLLM worker 0 ", f"while {VAR}='0' in policy.generation.vllm_cfg.env_vars: ", "Megatron train on bf16"],
+        ),
     ],
     ids=["variable-missing-in-a-worker", "unpatched-vllm", "vllm-fp32-megatron-off"],
 )

@@ -322,6 +322,35 @@ def test_each_disagreement_names_the_worker_and_the_reason(mode, bad, expected, 
     assert info_lines() == []
 
 
+ASKED = f"{VAR}='1' in policy.generation.vllm_cfg.env_vars"
+
+
+def test_a_caller_that_knows_only_the_vllm_switch_names_it(info_lines):
+    # NeMo-RL's driver holds the generation config: it knows the switch, not Megatron's mode
+    check_probe_reports([report(), report(way="copy")], "fp32", asked_by=ASKED)
+    assert info_lines() == [
+        f"fp32patch (driver): LM head fp32 on in every vLLM worker, as {ASKED} asks: 2 vLLM worker(s) "
+        f"compute float32 logits (way: copy, fp32out); the config guard holds {KEY} to the same switch"
+    ]
+    with pytest.raises(Fp32LmHeadMismatchError) as caught:
+        check_probe_reports([report(), OFF], "fp32", asked_by=ASKED)
+    assert f"vLLM worker 1 (host node-7, pid 4242) computes bfloat16 logits while {ASKED}: {VAR} is unset" in str(
+        caught.value
+    )
+    assert "'fp32'" not in str(caught.value)
+
+
+def test_a_caller_that_knows_only_the_vllm_switch_off(info_lines):
+    off = f"{VAR}='0' in policy.generation.vllm_cfg.env_vars"
+    check_probe_reports([OFF], None, asked_by=off)
+    assert info_lines() == [
+        f"fp32patch (driver): LM head fp32 off in every vLLM worker, as {off} asks: 1 vLLM worker(s) "
+        f"compute bfloat16 logits (stock); the config guard holds {KEY} to the same switch"
+    ]
+    with pytest.raises(Fp32LmHeadMismatchError, match=f"computes float32 logits while {off}: {VAR}='1'"):
+        check_probe_reports([report("float32", "fp32out", "1", True)], None, asked_by=off)
+
+
 def test_every_disagreeing_worker_is_named_once_in_flat_order():
     reports = [[report(), OFF], [report(), report("bfloat16", "stock", "1", False)]]
     with pytest.raises(Fp32LmHeadMismatchError) as caught:

@@ -377,7 +377,9 @@ _WAY_REASONS = {
 # ---------------------------------------------------------------- the driver's check
 
 
-def check_probe_reports(reports: Any, settings_or_mode: Any, *, where: str = "driver") -> None:
+def check_probe_reports(
+    reports: Any, settings_or_mode: Any, *, where: str = "driver", asked_by: str | None = None
+) -> None:
     """Refuse to go on when any vLLM worker's logits disagree with Megatron's setting.
 
     ``reports`` is what NeMo-RL's collective_rpc of ``PROBE_RPC`` returns: one report per
@@ -386,6 +388,11 @@ def check_probe_reports(reports: Any, settings_or_mode: Any, *, where: str = "dr
     Megatron fp32: every worker must compute float32 logits. Megatron off: none may. Raises
     ``Fp32LmHeadMismatchError`` naming each disagreeing worker (index, host, pid) and why;
     logs one INFO line when all agree.
+
+    A caller that knows only the vLLM switch (NeMo-RL's driver holds the generation config,
+    and the config guard holds Megatron's key to that switch) passes any mode for "on" and
+    names the switch in ``asked_by`` (``"NRL_VLLM_FP32_LM_HEAD='1' in ..."``): the messages
+    then say what asked, not a Megatron mode the caller does not know.
     """
     if isinstance(settings_or_mode, Fp32LmHeadSettings):
         mode = settings_or_mode.megatron
@@ -404,7 +411,7 @@ def check_probe_reports(reports: Any, settings_or_mode: Any, *, where: str = "dr
             continue
         dtype = report.get("dtype")
         if (mode is not None and dtype != "float32") or (mode is None and dtype == "float32"):
-            bad.append((index, report, _disagreement(index, report, mode)))
+            bad.append((index, report, _disagreement(index, report, mode, asked_by)))
     if bad:
         if mode is not None:
             why = (
@@ -421,7 +428,19 @@ def check_probe_reports(reports: Any, settings_or_mode: Any, *, where: str = "dr
         lines.append(f"{why}. Fix the worker(s) above, or turn both switches off.")
         raise Fp32LmHeadMismatchError("\n".join(lines), bad)
     ways = sorted({str(r.get("way")) for r in flat})
-    if mode is not None:
+    if asked_by is not None:
+        logger.info(
+            "fp32patch (%s): LM head fp32 %s in every vLLM worker, as %s asks: %d vLLM worker(s) compute %s "
+            "logits (%s); the config guard holds %s to the same switch",
+            where,
+            "on" if mode is not None else "off",
+            asked_by,
+            len(flat),
+            ", ".join(sorted({str(r.get("dtype")) for r in flat})),
+            "way: " + ", ".join(ways) if mode is not None else "stock",
+            MEGATRON_KEY,
+        )
+    elif mode is not None:
         logger.info(
             "fp32patch (%s): LM head fp32 in both engines: Megatron fp32_lm_head=%r, %d vLLM worker(s) "
             "compute float32 logits (way: %s)",
@@ -446,14 +465,15 @@ def _flatten(reports: Any) -> list[Any]:
     return [reports]
 
 
-def _disagreement(index: int, report: Mapping[str, Any], mode: str | None) -> str:
+def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked_by: str | None) -> str:
     host, pid, dtype = report.get("host", "?"), report.get("pid", "?"), report.get("dtype")
     env, way, reason = report.get("env"), report.get("way"), report.get("reason") or ""
     worker = f"vLLM worker {index} (host {host}, pid {pid})"
+    asking = asked_by if asked_by is not None else f"{MEGATRON_KEY}={mode!r}"
     if dtype is None:
-        return f"{worker} computes no logits while {MEGATRON_KEY}={mode!r}: {reason}"
+        return f"{worker} computes no logits while {asking}: {reason}"
     if mode is not None:
-        said = f"{worker} computes {dtype} logits while {MEGATRON_KEY}={mode!r}: "
+        said = f"{worker} computes {dtype} logits while {asking}: "
         if env is None or env.strip() in ("", "0"):
             state = "unset" if env is None or not env.strip() else f"{env!r}"
             return said + (
@@ -468,7 +488,7 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None) -> st
                 + (f": {file}" if file else "")
             )
         return said + f"the way is {way}: {reason}"
-    said = f"{worker} computes float32 logits while {MEGATRON_KEY} is off: "
+    said = f"{worker} computes float32 logits while {asked_by or MEGATRON_KEY + ' is off'}: "
     if env is not None and env.strip() not in ("", "0"):
         return said + f"{VLLM_ENV_VAR}={env!r} in that process (unset it, or turn {MEGATRON_KEY} on)"
     return said + f"the way is {way}: {reason}"

@@ -77,12 +77,15 @@ def _fp32patch_probe_vllm(generation):
     runtime = _fp32patch_runtime("driver")
     vllm_cfg = _fp32patch_get(cfg, "vllm_cfg")
     value = _fp32patch_get(_fp32patch_get(vllm_cfg, "env_vars"), "NRL_VLLM_FP32_LM_HEAD")
+    source = "policy.generation.vllm_cfg.env_vars"
     if value is None:
-        value = os.environ.get("NRL_VLLM_FP32_LM_HEAD")
+        value, source = os.environ.get("NRL_VLLM_FP32_LM_HEAD"), "the driver's environment"
     expected = "fp32" if value is not None and str(value).strip() not in ("", "0") else None
+    # the driver knows the vLLM switch, not Megatron's mode (the guard holds that to the switch)
+    asked_by = f"NRL_VLLM_FP32_LM_HEAD={str(value)!r} in {source}"
     method = "fp32patch_probe_lm_head_async" if _fp32patch_get(vllm_cfg, "async_engine") else "fp32patch_probe_lm_head"
     futures = generation.worker_group.run_all_workers_single_data(
         method, run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"]
     )
     # one list of reports per engine; the runtime flattens them in order and names each worker
-    runtime.check_probe_reports(ray.get(futures), expected, where="driver")
+    runtime.check_probe_reports(ray.get(futures), expected, where="driver", asked_by=asked_by)
