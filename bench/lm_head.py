@@ -14,8 +14,9 @@ Each shape is measured in one run: CUDA-event times (median of ``--iters`` after
 ``--warmup``) as a ratio to the bf16 GEMM, extra device memory, and the mean |Δ log p| of
 sampled tokens against a float64 reference. The ways of a shape are timed ``--rounds``
 times, interleaved (each round starts one way later), and each ratio is the median over
-rounds of the way's time over the bf16 time of the same round. The train/generation agreement puts the same
-hidden states through both sides and reports mean exp(|Δ log p|) between them.
+rounds of the way's time over the bf16 time of the same round. The train/generation
+agreement puts the same hidden states through both sides and reports mean exp(|Δ log p|)
+between them.
 
     python bench/lm_head.py --out bench/out/results.json [--plot bench/out/plot.png] [--quick]
 """
@@ -267,8 +268,8 @@ def vllm_lm_head_reset(model: Model) -> None:
 class StockLinear(torch.autograd.Function):
     """Megatron-Core's output layer as it runs without fp32patch (one GPU, no wgrad fusion):
     ``x @ W.T`` forward; ``g @ W`` and ``g.T @ x`` backward, each one bf16 GEMM, the weight
-    gradient returned in W's layout. (Autograd's own ``matmul`` backward makes the weight
-    gradient as ``(x.T @ g).T``, a transposed view that ``.grad`` then copies.)"""
+    gradient made in W's layout (as ``LinearWithGradAccumulationAndAsyncCommunication``
+    does), rather than whatever autograd's ``matmul`` backward chooses."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
