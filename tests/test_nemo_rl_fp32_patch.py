@@ -545,22 +545,8 @@ import os
 
 import torch
 
-
-class UnquantizedEmbeddingMethod:
-    def apply(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x, layer.weight, bias)
-
-
-class ParallelLMHead(torch.nn.Module):
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.quant_method = UnquantizedEmbeddingMethod()
-
-
-class LogitsProcessor:
-    def __call__(self, lm_head, hidden_states):
-        return lm_head.quant_method.apply(lm_head, hidden_states)
+# the benchmark's vLLM-shaped head and processor (an unquantized head, stock processor)
+from bench.lm_head import LmHead, LogitsProcessor
 
 
 class TinyForCausalLM(torch.nn.Module):
@@ -568,7 +554,7 @@ class TinyForCausalLM(torch.nn.Module):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         self.norm = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
-        self.lm_head = ParallelLMHead((torch.randn(16, 8, generator=gen) * 0.1).bfloat16())
+        self.lm_head = LmHead((torch.randn(16, 8, generator=gen) * 0.1).bfloat16())
         self.logits_processor = LogitsProcessor()
 
     def compute_logits(self, hidden_states):

@@ -427,7 +427,8 @@ def check_probe_reports(
         lines += [f"  {reason}" for _, _, reason in bad]
         lines.append(f"{why}. Fix the worker(s) above, or turn both switches off.")
         raise Fp32LmHeadMismatchError("\n".join(lines), bad)
-    ways = sorted({str(r.get("way")) for r in flat})
+    ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
+    dtypes = ", ".join(sorted({str(r.get("dtype")) for r in flat}))
     if asked_by is not None:
         logger.info(
             "fp32patch (%s): LM head fp32 %s in every vLLM worker, as %s asks: %d vLLM worker(s) compute %s "
@@ -436,8 +437,8 @@ def check_probe_reports(
             "on" if mode is not None else "off",
             asked_by,
             len(flat),
-            ", ".join(sorted({str(r.get("dtype")) for r in flat})),
-            "way: " + ", ".join(ways) if mode is not None else "stock",
+            dtypes,
+            "way: " + ways if mode is not None else "stock",
             MEGATRON_KEY,
         )
     elif mode is not None:
@@ -447,15 +448,14 @@ def check_probe_reports(
             where,
             mode,
             len(flat),
-            ", ".join(ways),
+            ways,
         )
     else:
-        dtypes = sorted({str(r.get("dtype")) for r in flat})
         logger.info(
             "fp32patch (%s): LM head fp32 off in both engines: %d vLLM worker(s) compute %s logits",
             where,
             len(flat),
-            ", ".join(dtypes),
+            dtypes,
         )
 
 
