@@ -76,48 +76,28 @@ def backward(t: int, h: int, v: int) -> dict:
     gb = g.numel() * 4  # bytes of the fp32 gradient
     main_grad = torch.zeros(v, h, device="cuda")
     assert fp32out._triton_kernels(g) is kern, "Triton kernels not available"
-    rs, cs = kern.row_col_scales(g, True, True)
-    by_row, by_col = kern.scale_to_fp16(g, rs, cs)
-    w16 = w.half()
-    x16 = x.half()
-    (_, wscale) = fp32out._fp16_scaled(w, rows=False, cols=True)[1]
-    (_, xscale) = fp32out._fp16_scaled(x, rows=False, cols=True)[1]
-    # the same operand with bf16's 8 significant bits: does the GEMM's speed depend on the data?
-    by_row8 = (g16.float() * rs).half()
-    dx32 = torch.mm(by_row, w16, out_dtype=torch.float32)
+    cs = kern.column_scales(g)
+    by_col, _ = kern.convert(g, cs)
+    (x16, xscale), _ = fp32out._fp16_by_column(x)
     dw32 = torch.mm(by_col.t(), x16, out_dtype=torch.float32)
-    dxb, dwb = dx32.numel() * 4, dw32.numel() * 4
+    dwb = dw32.numel() * 4
     ones_v, ones_h = torch.ones(v, 1, device="cuda"), torch.ones(1, h, device="cuda")  # keep dw32's values
     parts = {  # name: (fn, bytes moved or 0)
         "bf16 GEMM dx": (lambda: torch.mm(g16, w), 0),
         "bf16 GEMM dW": (lambda: torch.mm(g16.t(), x), 0),
-        "fp16 GEMM dx, fp32 out": (lambda: torch.mm(by_row, w16, out_dtype=torch.float32), 0),
         "fp16 GEMM dW, fp32 out": (lambda: torch.mm(by_col.t(), x16, out_dtype=torch.float32), 0),
-        "bf16 GEMM dx, fp32 out": (lambda: torch.mm(g16, w, out_dtype=torch.float32), 0),
-        "fp16 GEMM dx, fp16 out": (lambda: torch.mm(by_row, w16), 0),
-        "fp16 GEMM dx, fp32 out, 8-bit data": (lambda: torch.mm(by_row8, w16, out_dtype=torch.float32), 0),
         "bf16 GEMM dW, fp32 out": (lambda: torch.mm(g16.t(), x, out_dtype=torch.float32), 0),
         "copy of the fp32 gradient (ceiling)": (lambda: g.clone(), 2 * gb),
         "fp32 -> bf16 cast of the gradient": (lambda: g.bfloat16(), gb + gb // 2),
-        "eager: row max": (lambda: torch.linalg.vector_norm(g, float("inf"), dim=1, keepdim=True), gb),
         "eager: column max": (lambda: torch.linalg.vector_norm(g, float("inf"), dim=0, keepdim=True), gb),
-        "eager: scale + convert (one operand)": (lambda: torch.mul(g, rs, out=by_row), gb + gb // 2),
+        "eager: scale + convert": (lambda: torch.mul(g, cs, out=by_col), gb + gb // 2),
         "eager: dW unscale (two passes)": (lambda: dw32.div_(ones_v).div_(ones_h), 4 * dwb),
-        "triton: row + column scales, one read": (lambda: kern.row_col_scales(g, True, True), gb),
-        "triton: scale + convert, both operands": (lambda: kern.scale_to_fp16(g, rs, cs), 2 * gb),
-        "triton: weight column scales": (lambda: kern.row_col_scales(w, False, True), w.numel() * 2),
-        "triton: weight convert": (lambda: kern.scale_to_fp16(w, None, wscale), w.numel() * 4),
+        "triton: column scales of the gradient": (lambda: kern.column_scales(g), gb),
+        "triton: bf16 copy + fp16 column-scaled copy": (lambda: kern.convert(g, cs, torch.bfloat16), 2 * gb),
+        "triton: fp16 column-scaled copy only": (lambda: kern.convert(g, cs), gb + gb // 2),
         "triton: input to fp16 per column (max + convert)": (
-            lambda: fp32out._fp16_scaled(x, rows=False, cols=True),
+            lambda: fp32out._fp16_by_column(x),
             3 * x.numel() * 2,
-        ),
-        "triton: weight to fp16 per column (max + convert)": (
-            lambda: fp32out._fp16_scaled(w, rows=False, cols=True),
-            3 * w.numel() * 2,
-        ),
-        "triton: dx unscale -> bf16": (
-            lambda: kern.unscale(dx32, rs, wscale, torch.bfloat16, None),
-            dxb + dxb // 2,
         ),
         "triton: dW unscale -> bf16": (
             lambda: kern.unscale(dw32, cs.t(), xscale, torch.bfloat16, None),
@@ -127,6 +107,7 @@ def backward(t: int, h: int, v: int) -> dict:
             lambda: kern.unscale(dw32, cs.t(), xscale, torch.float32, main_grad),
             3 * dwb,
         ),
+        "whole backward, bf16 GEMMs (the stock head)": (lambda: (torch.mm(g16, w), torch.mm(g16.t(), x)), 0),
         "whole backward, eager (dx bf16, dW bf16)": (
             eager(lambda: fp32out.fp16_scaled_grads(g, w, x, torch.bfloat16, torch.bfloat16)),
             0,
@@ -151,41 +132,34 @@ def backward(t: int, h: int, v: int) -> dict:
 
 
 def tiles(t: int, v: int) -> dict:
-    """The Triton kernels over a few tile shapes, at [T, V]."""
+    """The Triton kernels over a few tile shapes, at [T, V] (and a [V, 4096] bf16 weight)."""
     g = torch.softmax(torch.randn(t, v, device="cuda") * 4, -1) / t
+    w = torch.randn(v, 4096, device="cuda").bfloat16()
     gb = g.numel() * 4
-    rs, cs = kern.row_col_scales(g, True, True)
-    saved = {k: getattr(kern, k) for k in dir(kern) if k.startswith(("_AMAX_", "_COLMAX_", "_CONVERT_"))}
+    cs = kern.column_scales(g)
+    saved = {k: getattr(kern, k) for k in dir(kern) if k.startswith(("_COLMAX_", "_CONVERT_"))}
     out = {}
     try:
         for bm, bn, steps, warps in [
-            (32, 256, 8, 8),
-            (64, 256, 4, 8),
-            (16, 512, 8, 8),
-            (32, 256, 1, 8),
-            (64, 128, 8, 4),
-        ]:
-            kern._AMAX_BM, kern._AMAX_BN, kern._AMAX_ROW_STEPS, kern._AMAX_WARPS = bm, bn, steps, warps
-            t_ms = ms(lambda: kern.row_col_scales(g, True, True))
-            print(f"  amax BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {gb / t_ms / 1e9:.2f} TB/s")
-            out[f"amax {bm}x{bn}x{steps} w{warps}"] = t_ms
-        w = torch.randn(v, 4096, device="cuda").bfloat16()
-        for bm, bn, steps, warps in [
-            (32, 256, 16, 8),
-            (32, 256, 4, 8),
             (64, 256, 16, 8),
-            (16, 512, 32, 8),
-            (32, 128, 32, 4),
+            (32, 256, 16, 8),
+            (32, 256, 8, 8),
+            (64, 128, 8, 4),
+            (16, 512, 16, 8),
+            (32, 512, 8, 8),
+            (64, 256, 4, 8),
         ]:
             kern._COLMAX_BM, kern._COLMAX_BN, kern._COLMAX_ROW_STEPS, kern._COLMAX_WARPS = bm, bn, steps, warps
-            t_ms = ms(lambda w=w: kern.row_col_scales(w, False, True))
+            t_ms = ms(lambda: kern.column_scales(g))
+            w_ms = ms(lambda: kern.column_scales(w))
             print(
-                f"  colmax bf16 BM={bm} BN={bn} steps={steps} warps={warps}: {t_ms:.3f} ms {w.numel() * 2 / t_ms / 1e9:.2f} TB/s"
+                f"  colmax BM={bm} BN={bn} steps={steps} warps={warps}: gradient {t_ms:.3f} ms "
+                f"{gb / t_ms / 1e9:.2f} TB/s, bf16 weight {w_ms:.3f} ms {w.numel() * 2 / w_ms / 1e9:.2f} TB/s"
             )
-            out[f"colmax {bm}x{bn}x{steps} w{warps}"] = t_ms
-        for bm, bn, warps in [(32, 256, 8), (64, 256, 8), (16, 512, 8), (32, 128, 4), (64, 128, 8), (8, 1024, 8)]:
+            out[f"colmax {bm}x{bn}x{steps} w{warps}"] = {"gradient": t_ms, "bf16 weight": w_ms}
+        for bm, bn, warps in [(16, 512, 8), (32, 256, 8), (64, 256, 8), (32, 128, 4), (8, 1024, 8), (16, 1024, 8)]:
             kern._CONVERT_BM, kern._CONVERT_BN, kern._CONVERT_WARPS = bm, bn, warps
-            t_ms = ms(lambda: kern.scale_to_fp16(g, rs, cs))
+            t_ms = ms(lambda: kern.convert(g, cs, torch.bfloat16))
             print(f"  convert BM={bm} BN={bn} warps={warps}: {t_ms:.3f} ms {2 * gb / t_ms / 1e9:.2f} TB/s")
             out[f"convert {bm}x{bn} w{warps}"] = t_ms
     finally:

@@ -1,23 +1,23 @@
-"""Triton kernels for fp32out's backward: the fp32 gradient into scaled fp16 at memory speed.
+"""Triton kernels for fp32out's backward: the fp32 gradient into 16-bit operands at memory speed.
 
-Why they exist: ``fp32out.fp16_scaled_mm`` carries the fp32 grad_output into 16-bit GEMMs
-as fp16 with power-of-two scales, per row for the input gradient and per column for the
-weight gradient. In eager PyTorch that is two reductions and two scale-and-convert passes
-over the [T, V] gradient (the convert runs at ~1.6 TB/s, a third of the H200's copy rate)
-plus two rescaling passes over each product: ~28 ms at T=16384, V=131072 against ~25 ms
-for one bf16 GEMM. Here the same arithmetic takes one read of the gradient for both
-maxima, one pass that writes both fp16 operands, and one pass that undoes the scales on
-a product while casting it to its dtype or adding it into ``main_grad``.
+Why they exist: fp32out's backward (``fp32out.fp16_scaled_grads``) needs two 16-bit copies of
+the fp32 grad_output [T, V]: rounded to the weight's dtype for the input gradient, and in
+fp16 with a power-of-two scale per column for the weight gradient. In eager PyTorch that is
+a cast, a column reduction and a scale-and-convert pass (the convert runs at ~1.6 TB/s, a
+third of the H200's copy rate), plus two rescaling passes over the weight-gradient product.
+Here it takes one read of the gradient for the column maxima, one pass that writes both
+copies, and one pass that undoes the scales on the product while casting it to its dtype or
+adding it into ``main_grad``.
 
 The results are bit for bit those of the eager path: the maxima are exact (taken on the
 bit patterns of |a|, which order like the values and keep NaN above inf, as
 ``torch.linalg.vector_norm(a, inf)`` does), the scales follow ``fp32out._pow2_scale``'s
 formula on those bits (computed in a kernel, which saves a dozen small launches per
-operand), the fp16 conversion rounds to nearest even like ``torch.mul(..., out=fp16)``,
-and multiplying by the exact inverse power of two equals dividing by it. No atomics:
-every program writes its own partial maxima, so runs repeat exactly. Everything
-is allocated with torch on the current stream, so a CUDA graph can capture it (after a
-warm-up call has compiled the kernels, as for any Triton code).
+operand), the 16-bit conversions round to nearest even like ``Tensor.to`` and
+``torch.mul(..., out=fp16)``, and multiplying by the exact inverse power of two equals
+dividing by it. No atomics: every program writes its own partial maxima, so runs repeat
+exactly. Everything is allocated with torch on the current stream, so a CUDA graph can
+capture it (after a warm-up call has compiled the kernels, as for any Triton code).
 
 Triton is imported when ``load()`` is first called, which ``fp32out`` does only for CUDA
 tensors; without Triton the eager path runs.
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 # Tiles: [rows, columns] per program. The maxima pass walks ROW_STEPS row tiles per
 # program to keep the column partials small (T/(BM*steps) x V int32).
 # (Chosen on an H200 among a few shapes: bench/fp32out_parts.py --tiles.)
-_AMAX_BM, _AMAX_BN, _AMAX_ROW_STEPS, _AMAX_WARPS = 64, 128, 8, 4
-# column maxima only (a 16-bit weight or input): taller programs, fewer partials
 _COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS = 64, 256, 16, 8
 _CONVERT_BM, _CONVERT_BN, _CONVERT_WARPS = 16, 512, 8
 _SCALES_BL, _SCALES_BP, _SCALES_WARPS = 128, 32, 4
@@ -54,41 +52,30 @@ def load() -> bool:
         return False
 
     @triton.jit
-    def amax_kernel(
+    def colmax_kernel(
         src,
-        row_part,
         col_part,
         M,
         N,
         s_m,
         s_n,
-        n_col_tiles,
         BM: tl.constexpr,
         BN: tl.constexpr,
         ROW_STEPS: tl.constexpr,
-        ROWS: tl.constexpr,
-        COLS: tl.constexpr,
     ):
-        # Maxima of |src| as int32 bit patterns: row partials [M, n_col_tiles] and column
-        # partials [cdiv(M, BM * ROW_STEPS), N].
+        # Column maxima of |src| as int32 bit patterns, per block of BM * ROW_STEPS rows:
+        # col_part [cdiv(M, BM * ROW_STEPS), N].
         pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rn = pid_n * BN + tl.arange(0, BN)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
         col_ok = rn < N
         # elementwise over the row steps; reduced across rows once, at the end
         col_max = tl.zeros([BM, BN], dtype=tl.int32)
         for step in range(ROW_STEPS):
             rm = (pid_m * ROW_STEPS + step) * BM + tl.arange(0, BM)
-            row_ok = rm < M
             ptrs = src + rm.to(tl.int64)[:, None] * s_m + rn.to(tl.int64)[None, :] * s_n
-            a = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            bits = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            if ROWS:
-                tl.store(row_part + rm.to(tl.int64) * n_col_tiles + pid_n, tl.max(bits, axis=1), mask=row_ok)
-            if COLS:
-                col_max = tl.maximum(col_max, bits)
-        if COLS:
-            tl.store(col_part + pid_m.to(tl.int64) * N + rn, tl.max(col_max, axis=0), mask=col_ok)
+            a = tl.load(ptrs, mask=(rm < M)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            col_max = tl.maximum(col_max, a.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        tl.store(col_part + pid_m.to(tl.int64) * N + rn, tl.max(col_max, axis=0), mask=col_ok)
 
     @triton.jit
     def scales_kernel(part, scale, L, P, s_l, s_p, BL: tl.constexpr, BP: tl.constexpr):
@@ -111,10 +98,9 @@ def load() -> bool:
     @triton.jit
     def convert_kernel(
         src,
-        row_scale,
         col_scale,
-        out_rows,
-        out_cols,
+        out_scaled,
+        out_plain,
         M,
         N,
         s_m,
@@ -123,25 +109,21 @@ def load() -> bool:
         o_n,
         BM: tl.constexpr,
         BN: tl.constexpr,
-        ROWS: tl.constexpr,
-        COLS: tl.constexpr,
+        PLAIN: tl.constexpr,
     ):
-        # out_rows = fp16(src * row_scale[:, None]), out_cols = fp16(src * col_scale[None, :])
+        # out_scaled = fp16(src * col_scale[None, :]); out_plain = src in out_plain's dtype
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        row_ok = rm < M
         col_ok = rn < N
-        mask = row_ok[:, None] & col_ok[None, :]
+        mask = (rm < M)[:, None] & col_ok[None, :]
         rm64 = rm.to(tl.int64)
         rn64 = rn.to(tl.int64)
-        a = tl.load(src + rm64[:, None] * s_m + rn64[None, :] * s_n, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(src + rm64[:, None] * s_m + rn64[None, :] * s_n, mask=mask, other=0.0)
         out = rm64[:, None] * o_m + rn64[None, :] * o_n
-        if ROWS:
-            r = tl.load(row_scale + rm, mask=row_ok, other=1.0)
-            tl.store(out_rows + out, (a * r[:, None]).to(tl.float16), mask=mask)
-        if COLS:
-            c = tl.load(col_scale + rn, mask=col_ok, other=1.0)
-            tl.store(out_cols + out, (a * c[None, :]).to(tl.float16), mask=mask)
+        if PLAIN:
+            tl.store(out_plain + out, a.to(out_plain.dtype.element_ty), mask=mask)
+        c = tl.load(col_scale + rn, mask=col_ok, other=1.0)
+        tl.store(out_scaled + out, (a.to(tl.float32) * c[None, :]).to(tl.float16), mask=mask)
 
     @triton.jit
     def unscale_kernel(
@@ -181,94 +163,74 @@ def load() -> bool:
         tl.store(d, v.to(dst.dtype.element_ty), mask=mask)
 
     _KERNELS.update(
-        amax=amax_kernel, scales=scales_kernel, convert=convert_kernel, unscale=unscale_kernel, cdiv=triton.cdiv
+        colmax=colmax_kernel, scales=scales_kernel, convert=convert_kernel, unscale=unscale_kernel, cdiv=triton.cdiv
     )
     return True
 
 
-def row_col_scales(a: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The power-of-two scales of ``fp32out._pow2_scale`` for max |a| per row ([M, 1]) and per
-    column ([1, N]) of a 2-D tensor, from one read of ``a``; None for the one not asked for."""
+def column_scales(a: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scales of ``fp32out._pow2_scale`` for max |a| per column of a 2-D
+    tensor, [1, N], from one read of ``a``."""
     import torch
 
     m, n = a.shape
     cdiv = _KERNELS["cdiv"]
-    if rows:
-        bm, bn, steps, warps = _AMAX_BM, _AMAX_BN, _AMAX_ROW_STEPS, _AMAX_WARPS
-    else:
-        bm, bn, steps, warps = _COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS
-    n_col_tiles = cdiv(n, bn)
-    m_programs = cdiv(m, bm * steps)
+    n_col_tiles = cdiv(n, _COLMAX_BN)
+    m_programs = cdiv(m, _COLMAX_BM * _COLMAX_ROW_STEPS)
     # the maxima as int32 bit patterns of |a| (non-negative floats order as their bits, NaN
-    # above inf): per row and column tile, and per column and row block
-    row_part = torch.empty((m, n_col_tiles) if rows else (1,), dtype=torch.int32, device=a.device)
-    col_part = torch.empty((m_programs, n) if cols else (1,), dtype=torch.int32, device=a.device)
-    _KERNELS["amax"][(m_programs, n_col_tiles)](
+    # above inf), per column and block of rows
+    col_part = torch.empty((m_programs, n), dtype=torch.int32, device=a.device)
+    _KERNELS["colmax"][(m_programs, n_col_tiles)](
         a,
-        row_part,
         col_part,
         m,
         n,
         a.stride(0),
         a.stride(1),
-        n_col_tiles,
-        BM=bm,
-        BN=bn,
-        ROW_STEPS=steps,
-        ROWS=rows,
-        COLS=cols,
-        num_warps=warps,
+        BM=_COLMAX_BM,
+        BN=_COLMAX_BN,
+        ROW_STEPS=_COLMAX_ROW_STEPS,
+        num_warps=_COLMAX_WARPS,
     )
-    row = _scales(row_part, m, n_col_tiles, row_part.stride(0), 1).view(m, 1) if rows else None
-    col = _scales(col_part, n, m_programs, 1, n).view(1, n) if cols else None
-    return row, col
-
-
-def _scales(part: torch.Tensor, length: int, reduced: int, s_l: int, s_p: int) -> torch.Tensor:
-    import torch
-
-    scale = torch.empty(length, dtype=torch.float32, device=part.device)
-    _KERNELS["scales"][(_KERNELS["cdiv"](length, _SCALES_BL),)](
-        part, scale, length, reduced, s_l, s_p, BL=_SCALES_BL, BP=_SCALES_BP, num_warps=_SCALES_WARPS
+    scale = torch.empty(n, dtype=torch.float32, device=a.device)
+    _KERNELS["scales"][(cdiv(n, _SCALES_BL),)](
+        col_part, scale, n, m_programs, 1, n, BL=_SCALES_BL, BP=_SCALES_BP, num_warps=_SCALES_WARPS
     )
-    return scale
+    return scale.view(1, n)
 
 
-def scale_to_fp16(
-    a: torch.Tensor, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """fp16(a * row_scale) and fp16(a * col_scale), both from one read of ``a``, each laid
-    out as ``a`` is; None where the scale is None."""
+def convert(
+    a: torch.Tensor, col_scale: torch.Tensor, plain_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp16(a * col_scale) and, if ``plain_dtype`` is given, ``a.to(plain_dtype)``, both from
+    one read of ``a`` and laid out as ``a`` is."""
     import torch
 
     m, n = a.shape
-    out_rows = torch.empty_like(a, dtype=torch.float16) if row_scale is not None else None
-    out_cols = torch.empty_like(a, dtype=torch.float16) if col_scale is not None else None
-    some = out_rows if out_rows is not None else out_cols
-    if some is None:
-        return None, None
-    if out_rows is not None and out_cols is not None:
-        assert out_rows.stride() == out_cols.stride()
+    scaled = torch.empty_like(a, dtype=torch.float16)
+    plain = None if plain_dtype is None else torch.empty_like(a, dtype=plain_dtype)
+    if plain is not None:
+        assert plain.stride() == scaled.stride()
+    if not a.numel():
+        return scaled, plain
     cdiv = _KERNELS["cdiv"]
     _KERNELS["convert"][(cdiv(m, _CONVERT_BM), cdiv(n, _CONVERT_BN))](
         a,
-        _flat(row_scale, a),
-        _flat(col_scale, a),
-        _or(out_rows, some),
-        _or(out_cols, some),
+        _flat(col_scale),
+        scaled,
+        scaled if plain is None else plain,
         m,
         n,
         a.stride(0),
         a.stride(1),
-        some.stride(0),
-        some.stride(1),
+        scaled.stride(0),
+        scaled.stride(1),
         BM=_CONVERT_BM,
         BN=_CONVERT_BN,
-        ROWS=row_scale is not None,
-        COLS=col_scale is not None,
+        PLAIN=plain is not None,
         num_warps=_CONVERT_WARPS,
     )
-    return out_rows, out_cols
+    return scaled, plain
 
 
 def unscale(
@@ -293,8 +255,8 @@ def unscale(
     cdiv = _KERNELS["cdiv"]
     _KERNELS["unscale"][(cdiv(m, _UNSCALE_BM), cdiv(n, _UNSCALE_BN))](
         product,
-        _flat(row_scale, product),
-        _flat(col_scale, product),
+        _flat(row_scale),
+        _flat(col_scale),
         dst,
         m,
         n,
@@ -312,12 +274,6 @@ def unscale(
     return dst
 
 
-def _flat(scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """A scale vector as the kernels read it (contiguous fp32); any pointer when unused."""
-    if scale is None:
-        return like
+def _flat(scale: torch.Tensor) -> torch.Tensor:
+    """A scale vector as the kernels read it: contiguous fp32."""
     return scale.reshape(-1).contiguous()
-
-
-def _or(t: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
-    return t if t is not None else other

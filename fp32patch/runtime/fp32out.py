@@ -126,49 +126,38 @@ def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(shift.float())
 
 
-def _fp16_scaled(a: torch.Tensor, rows: bool, cols: bool) -> tuple[Scaled | None, Scaled | None]:
-    """``a`` in fp16 multiplied by a power of two per row and/or per column: for each asked
-    for, (a16, scale) with ``a ~= a16 / scale`` (scale [M, 1] for rows, [1, N] for columns).
+def _fp16_by_column(a: torch.Tensor, plain_dtype: torch.dtype | None = None) -> tuple[Scaled, torch.Tensor | None]:
+    """``a`` in fp16 multiplied by a power of two per column: (a16, scale) with ``a ~= a16 /
+    scale``, scale [1, N]; and, if ``plain_dtype`` is given, ``a.to(plain_dtype)``.
+
     Exact for bf16 input in range; fp32 input is rounded to nearest at 11 significant bits,
-    as TF32 rounds it. On CUDA both come from one read of ``a`` for the maxima and one pass
-    that writes both (``fp16_scale_triton``)."""
+    as TF32 rounds it. On CUDA the maxima take one read of ``a`` and one more pass writes
+    both copies (``fp16_scale_triton``)."""
     import torch
 
     kernels = _triton_kernels(a) if a.numel() else None
     if kernels is not None:
-        row_scale, col_scale = kernels.row_col_scales(a, rows, cols)
-        by_row, by_col = kernels.scale_to_fp16(a, row_scale, col_scale)
-        return (
-            None if by_row is None else (by_row, row_scale),
-            None if by_col is None else (by_col, col_scale),
-        )
-    out: list[Scaled | None] = []
-    for wanted, dim in ((rows, 1), (cols, 0)):
-        if not wanted:
-            out.append(None)
-            continue
-        scale = _pow2_scale(torch.linalg.vector_norm(a, float("inf"), dim=dim, keepdim=True).float())
-        a16 = torch.empty_like(a, dtype=torch.float16)
-        torch.mul(a, scale, out=a16)  # one pass: read a, write fp16, no fp32 temporary
-        out.append((a16, scale))
-    return out[0], out[1]
+        scale = kernels.column_scales(a)
+        a16, plain = kernels.convert(a, scale, plain_dtype)
+        return (a16, scale), plain
+    scale = _pow2_scale(torch.linalg.vector_norm(a, float("inf"), dim=0, keepdim=True).float())
+    a16 = torch.empty_like(a, dtype=torch.float16)
+    torch.mul(a, scale, out=a16)  # one pass: read a, write fp16, no fp32 temporary
+    return (a16, scale), None if plain_dtype is None else a.to(plain_dtype)
 
 
 def _scaled_product(
     a: Scaled,
     b: torch.Tensor,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype,
     accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``a @ b`` for a row-scaled fp16 ``a`` (see ``_fp16_scaled``) and a 16-bit ``b``: one
-    fp16 GEMM with fp32 output, scales undone, then cast to ``out_dtype`` (default fp32) or
-    added into the fp32 ``accumulate_into``, which is then returned."""
-    import torch
-
+    """``a @ b`` for a row-scaled fp16 ``a`` = (a16, scale [M, 1]) and a 16-bit ``b``: ``b``
+    in fp16 scaled per column, one fp16 GEMM with fp32 output, scales undone, then cast to
+    ``out_dtype`` or added into the fp32 ``accumulate_into``, which is then returned."""
     a16, row_scale = a
-    _, (b16, col_scale) = _fp16_scaled(b, rows=False, cols=True)
+    (b16, col_scale), _ = _fp16_by_column(b)
     out = mm(a16, b16)
-    out_dtype = out_dtype or torch.float32
     kernels = _triton_kernels(out)
     if kernels is not None:
         return kernels.unscale(out, row_scale, col_scale, out_dtype, accumulate_into)
@@ -176,17 +165,6 @@ def _scaled_product(
     if accumulate_into is not None:
         return accumulate_into.add_(out)
     return out.to(out_dtype)
-
-
-def fp16_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in fp32 through one fp16 GEMM: ``a`` scaled per row, ``b`` per column.
-
-    Power-of-two scales are exact and undone on the fp32 result. A bf16 operand is exact
-    in fp16 after scaling; an fp32 operand (a gradient) is rounded to 11 significant bits,
-    to nearest: the rounding a TF32 tensor core applies, at the cost of a 16-bit GEMM.
-    """
-    by_row, _ = _fp16_scaled(a, rows=True, cols=False)
-    return _scaled_product(by_row, b)
 
 
 def fp16_scaled_grads(
@@ -197,21 +175,43 @@ def fp16_scaled_grads(
     dw_dtype: torch.dtype,
     dw_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A linear layer's backward for the fp32 ``grad`` [T, V]: ``grad @ weight`` in
-    ``dx_dtype`` (if ``weight`` is given) and ``grad.T @ x`` (if ``x`` is given) in
-    ``dw_dtype``, or added into the fp32 ``dw_into`` (then returned), each as
-    ``fp16_scaled_mm`` computes it."""
-    # With the Triton kernels both scalings come from one read of grad; eagerly, one at a
-    # time, so that only one fp16 copy of grad is alive at once.
-    together = _triton_kernels(grad) is not None
-    by_row, by_col = _fp16_scaled(grad, rows=weight is not None, cols=x is not None and together)
-    dx = None if by_row is None or weight is None else _scaled_product(by_row, weight, dx_dtype)
-    del by_row  # the row-scaled copy is not needed for the weight gradient
-    if x is None:
+    """A linear layer's backward for the fp32 ``grad`` [T, V]: the input gradient ``grad @
+    weight`` in ``dx_dtype`` (if ``weight`` is given) and the weight gradient ``grad.T @ x``
+    (if ``x`` is given) in ``dw_dtype``, or added into the fp32 ``dw_into`` (then returned).
+
+    The weight gradient goes through one fp16 GEMM: ``grad`` scaled by a power of two per
+    column (per vocabulary entry, so that rare tokens keep their 11 bits), ``x`` per column,
+    the scales undone on the fp32 product. That is TF32's rounding of ``grad`` at the cost
+    of a 16-bit GEMM. The input gradient is the stock head's: ``grad`` rounded once to the
+    weight's dtype, one GEMM. It comes back in a 16-bit dtype, whose own rounding is about
+    all of its error: carrying ``grad`` at TF32 precision into it as well cost 4% of the
+    backward on an H200 and lowered the error of a bf16 ``dx`` by 4% (bench/RESULTS.md).
+    """
+    want_dx, want_dw = weight is not None, x is not None
+    scaled = plain = None
+    if want_dx and want_dw and _triton_kernels(grad) is not None:
+        # one read of grad for the maxima, one pass that writes both copies
+        scaled, plain = _fp16_by_column(grad, weight.dtype)
+    dx = None
+    if want_dx:
+        if plain is None:
+            plain = grad.to(weight.dtype)
+        dx = _plain_product(plain, weight, dx_dtype)
+        del plain  # eagerly, one 16-bit copy of grad is alive at a time
+    if not want_dw:
         return dx, None
-    if by_col is None:
-        _, by_col = _fp16_scaled(grad, rows=False, cols=True)
-    col16, col_scale = by_col
-    del by_col
-    dw = _scaled_product((col16.t(), col_scale.t()), x, dw_dtype, dw_into)
-    return dx, dw
+    if scaled is None:
+        scaled, _ = _fp16_by_column(grad)
+    g16, col_scale = scaled
+    del scaled
+    return dx, _scaled_product((g16.t(), col_scale.t()), x, dw_dtype, dw_into)
+
+
+def _plain_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` for two operands of the same 16-bit dtype, in ``out_dtype``: one GEMM
+    straight into that dtype when it is theirs, as the stock layer runs it."""
+    import torch
+
+    if out_dtype == a.dtype:
+        return torch.mm(a, b)
+    return mm(a, b).to(out_dtype)

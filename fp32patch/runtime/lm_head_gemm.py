@@ -81,9 +81,10 @@ def _backward_gemms(
         # IEEE or TF32 fp32 GEMMs; an fp32 model has nothing to split against either.
         pieces, times = [grad], _upcast_mm
     elif mode == "fp32out":
-        # grad_output through fp16 with power-of-two scales: TF32's rounding of it, at
-        # the speed of a bf16 GEMM (see fp32out.fp16_scaled_mm); on CUDA the scalings,
-        # the rescaling and the accumulation run as fused Triton kernels
+        # the weight gradient from grad_output in fp16 with power-of-two scales: TF32's
+        # rounding of it, at the speed of a 16-bit GEMM; the input gradient as the stock
+        # head computes it (see fp32out.fp16_scaled_grads). On CUDA the conversions, the
+        # rescaling and the accumulation run as fused Triton kernels
         return fp32out.fp16_scaled_grads(grad, weight if need_dx else None, x, dx_dtype, weight.dtype, main_grad)
     else:
         # split once, use the pieces for both products.

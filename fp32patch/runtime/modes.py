@@ -12,23 +12,28 @@ from __future__ import annotations
 #   fp32              bf16 operands upcast to fp32 inside the graph, IEEE fp32 GEMMs
 #   tf32              the same GEMMs with TF32 tensor cores allowed (operands that came from
 #                     bf16 are exact in TF32, so only the fp32 grad_output is rounded)
-#   fp32out           bf16 operands, fp32 output, no fp32 weight copy. The backward carries
-#                     the fp32 grad_output in fp16 with power-of-two scales per row/column
-#                     (bf16 operands are exact in fp16 after scaling): grad_output rounded to
-#                     nearest at 11 significant bits, exactly TF32's rounding of it, in
-#                     16-bit GEMMs at the bf16 rate
+#   fp32out           bf16 operands, fp32 output, no fp32 weight copy. The weight gradient
+#                     carries the fp32 grad_output in fp16 with a power-of-two scale per
+#                     vocabulary column (bf16 operands are exact in fp16 after scaling):
+#                     grad_output rounded to nearest at 11 significant bits, exactly TF32's
+#                     rounding of it, in a 16-bit GEMM at the bf16 rate. The input gradient,
+#                     which comes back in bf16 anyway, is the stock head's: grad_output
+#                     rounded once to bf16, one bf16 GEMM
 #   fp32out-hilo      fp32out whose backward splits grad_output into two bf16 terms (hi + lo,
 #                     ~16 bits): more precise than TF32, for one extra GEMM per gradient
 #   fp32out-bf16grad  fp32out with grad_output rounded once to bf16 in the backward: the
 #                     stock bf16 head's backward precision, less precise than tf32; opt-in
 #
 # Cost in bf16-GEMM equivalents for forward + backward (the stock bf16 head: 3):
-# fp32out-bf16grad 3; fp32out 3 plus passes that scale and convert grad_output, the weight
-# and the input (fused Triton kernels on CUDA: fp16_scale_triton.py); fp32out-hilo 5; tf32 3 TF32 GEMMs at half the bf16 tensor-core rate, ~6,
-# plus fp32 copies of the weight shard; fp32 3 GEMMs without tensor cores, plus the copies.
+# fp32out-bf16grad 3; fp32out 3 plus passes that convert grad_output (to bf16, and to scaled
+# fp16) and the input, and that undo the scales on the weight gradient (fused Triton kernels
+# on CUDA: fp16_scale_triton.py); fp32out-hilo 5; tf32 3 TF32 GEMMs at half the bf16
+# tensor-core rate, ~6, plus fp32 copies of the weight shard; fp32 3 GEMMs without tensor
+# cores, plus the copies.
 # Measured on an H200 (bench/RESULTS.md) and against float64 on the CPU (tests/
-# test_lm_head_gemm.py): fp32out's backward error equals TF32's; fp32out-hilo's is ~100x
-# smaller; fp32out-bf16grad's ~7x larger.
+# test_lm_head_gemm.py): fp32out's weight-gradient error equals TF32's and its input
+# gradient is the stock head's; fp32out-hilo's weight-gradient error is ~100x smaller than
+# TF32's; fp32out-bf16grad's ~7x larger.
 MEGATRON_MODES: tuple[str, ...] = ("fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad")
 
 # How the valid Megatron values are spelled in errors: YAML booleans plus the mode names.

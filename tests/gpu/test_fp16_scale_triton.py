@@ -60,14 +60,15 @@ def test_triton_backward_gives_the_eager_bits(kind, fuse, monkeypatch):
 def test_kernels_match_eager_piece_by_piece():
     x, w, g = _problem(1, "wide-range")
     assert fp32out._triton_kernels(g) is fp16_scale_triton
-    rs, cs = fp16_scale_triton.row_col_scales(g, rows=True, cols=True)
+    cs = fp16_scale_triton.column_scales(g)
+    rs = fp16_scale_triton.column_scales(g.t()).t()  # a transposed (non-contiguous) operand
     eager = [torch.linalg.vector_norm(g, float("inf"), dim=d, keepdim=True) for d in (1, 0)]
     assert torch.equal(rs, fp32out._pow2_scale(eager[0])) and torch.equal(cs, fp32out._pow2_scale(eager[1]))
-    by_row, by_col = fp16_scale_triton.scale_to_fp16(g, rs, cs)
-    assert torch.equal(by_row, torch.mul(g, rs).half()) and torch.equal(by_col, torch.mul(g, cs).half())
-    # a transposed (non-contiguous) operand and a bf16 one
-    _, wcol = fp16_scale_triton.row_col_scales(w.t(), rows=False, cols=True)
-    assert torch.equal(wcol, fp32out._pow2_scale(w.float().abs().amax(dim=1)[None, :]))
+    scaled, plain = fp16_scale_triton.convert(g, cs, torch.bfloat16)
+    assert torch.equal(scaled, torch.mul(g, cs).half()) and torch.equal(plain, g.bfloat16())
+    # a bf16 operand
+    wcol = fp16_scale_triton.column_scales(w)
+    assert torch.equal(wcol, fp32out._pow2_scale(w.float().abs().amax(dim=0)[None, :]))
     p = torch.randn(T, V, device="cuda")
     expect = p.clone().div_(rs).div_(cs)
     assert torch.equal(fp16_scale_triton.unscale(p.clone(), rs, cs, torch.float32, None), expect)

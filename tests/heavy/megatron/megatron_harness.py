@@ -31,8 +31,11 @@ U_FP32 = 2.0**-24
 # Extra error of each mode's backward over fp32 accumulation, relative to sum |a*b|: how
 # much of the fp32 grad_output each one keeps. tf32 is exact here because TF32 does not
 # exist on the CPU (on a GPU it would be 2**-11); fp32out carries grad_output in scaled
-# fp16 (11 bits, TF32's rounding); the hi/lo split keeps ~16 bits.
+# fp16 for the weight gradient (11 bits, TF32's rounding); the hi/lo split keeps ~16 bits.
 GRAD_SLACK = {"fp32": 0.0, "tf32": 0.0, "fp32out": 2.0**-11, "fp32out-hilo": 2.0**-16, "fp32out-bf16grad": U_BF16}
+# The same for the input gradient: fp32out computes it as the stock head does, from
+# grad_output rounded to bf16.
+DX_SLACK = {**GRAD_SLACK, "fp32out": U_BF16}
 
 
 def use_cpu_for_cuda_buffers() -> None:

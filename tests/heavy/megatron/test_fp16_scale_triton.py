@@ -53,62 +53,59 @@ def _wide(m: int, n: int, seed: int) -> torch.Tensor:
     return a
 
 
-def _eager_scales(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(
-        fp32out._pow2_scale(torch.linalg.vector_norm(a, float("inf"), dim=dim, keepdim=True).float()) for dim in (1, 0)
-    )
+def _eager_column_scales(a: torch.Tensor) -> torch.Tensor:
+    return fp32out._pow2_scale(torch.linalg.vector_norm(a, float("inf"), dim=0, keepdim=True).float())
 
 
 @only_interpreted
 @pytest.mark.parametrize("shape", [(70, 300), (33, 517), (1100, 5), (1, 1)])
-def test_scales_and_conversion_match_eager(kernels, shape):
+def test_scales_and_conversions_match_eager(kernels, shape):
     a = _wide(*shape, seed=shape[0])
-    rs, cs = kernels.row_col_scales(a, rows=True, cols=True)
-    eager_rs, eager_cs = _eager_scales(a)
-    assert torch.equal(rs, eager_rs) and torch.equal(cs, eager_cs)
-    by_row, by_col = kernels.scale_to_fp16(a, rs, cs)
-    assert torch.equal(by_row, torch.mul(a, rs).half())
-    assert torch.equal(by_col, torch.mul(a, cs).half())
-    # a transposed view: rows and columns trade places
-    t_rs, t_cs = kernels.row_col_scales(a.t(), rows=True, cols=True)
-    assert torch.equal(t_rs, cs.t()) and torch.equal(t_cs, rs.t())
+    for operand in (a, a.t()):  # and a transposed view: rows and columns trade places
+        cs = kernels.column_scales(operand)
+        assert torch.equal(cs, _eager_column_scales(operand))
+        scaled, plain = kernels.convert(operand, cs)
+        assert plain is None and torch.equal(scaled, torch.mul(operand, cs).half())
+        assert scaled.stride() == torch.empty_like(operand).stride()
+        # the plain copy from the same pass (fp16 here: the interpreter truncates to bf16,
+        # tests/gpu checks bf16's rounding)
+        scaled, plain = kernels.convert(operand, cs, torch.float16)
+        assert torch.equal(scaled, torch.mul(operand, cs).half()) and torch.equal(plain, operand.half())
 
 
 @only_interpreted
 def test_scale_formula_at_the_edges_of_fp32(kernels):
-    # one row per maximum: 0, subnormals, the normal range's ends, inf and NaN
+    # one column per maximum: 0, subnormals, the normal range's ends, inf and NaN
     tiny = torch.finfo(torch.float32).tiny
     maxima = [0.0, 1e-45, tiny / 2, tiny * (1 - 2**-23), tiny, 2.0**-114, 2.0**-113.5, 1.0, 0.75]
     maxima += [2.0**13, 2.0**14, 2.0**114, 2.0**115, 3e38, float("inf"), float("nan")]
-    a = torch.tensor(maxima)[:, None] * torch.tensor([[1.0, -0.5, 0.25]])
-    a[:, 1] = -a[:, 0]  # the maximum of |a| may come from a negative entry
-    a[0] = 0
-    rs, _ = kernels.row_col_scales(a, rows=True, cols=False)
-    eager_rs, _ = _eager_scales(a)
-    assert torch.equal(rs, eager_rs), torch.stack([torch.tensor(maxima), rs[:, 0], eager_rs[:, 0]], 1)
+    a = torch.tensor([[1.0], [-0.5], [0.25]]) * torch.tensor(maxima)[None, :]
+    a[1] = -a[0]  # the maximum of |a| may come from a negative entry
+    a[:, 0] = 0
+    cs = kernels.column_scales(a)
+    assert torch.equal(cs, _eager_column_scales(a)), torch.stack([torch.tensor(maxima), cs[0]], 1)
 
 
 @only_interpreted
 def test_maxima_keep_nan_above_inf_as_eager_does(kernels):
-    a = torch.randn(4, 8)
-    a[1, 2] = float("nan")
-    a[2, 3] = float("-inf")
-    a[1, 3] = float("inf")
-    rs, cs = kernels.row_col_scales(a, rows=True, cols=True)
-    eager_rs, eager_cs = _eager_scales(a)
-    assert torch.equal(rs, eager_rs) and torch.equal(cs, eager_cs)
-    assert rs[1].item() == rs[2].item() == 1.0
+    a = torch.randn(8, 4)
+    a[2, 1] = float("nan")
+    a[3, 2] = float("-inf")
+    a[3, 1] = float("inf")
+    cs = kernels.column_scales(a)
+    assert torch.equal(cs, _eager_column_scales(a))
+    assert cs[0, 1].item() == cs[0, 2].item() == 1.0
 
 
 @only_interpreted
 def test_bf16_column_scales(kernels):
     w = torch.randn(1100, 40).bfloat16()  # several programs down the rows
     w[:, 3] *= 2.0**-60
-    _, cs = kernels.row_col_scales(w, rows=False, cols=True)
-    assert torch.equal(cs, _eager_scales(w)[1])
-    (_, by_col) = kernels.scale_to_fp16(w, None, cs)
-    assert torch.equal(by_col, torch.mul(w, cs).half())
-    assert torch.equal(by_col.float() / cs, w.float())  # exact: bf16 fits fp16 after scaling
+    cs = kernels.column_scales(w)
+    assert torch.equal(cs, _eager_column_scales(w))
+    scaled, _ = kernels.convert(w, cs)
+    assert torch.equal(scaled, torch.mul(w, cs).half())
+    assert torch.equal(scaled.float() / cs, w.float())  # exact: bf16 fits fp16 after scaling
 
 
 @only_interpreted
@@ -129,15 +126,19 @@ def test_unscale_in_place_and_into_an_accumulator(kernels):
 def test_whole_backward_through_the_kernels_matches_eager(kernels, monkeypatch):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(96, 64, generator=gen).bfloat16()
-    w = (torch.randn(300, 64, generator=gen) * 0.05).bfloat16()
-    g = _wide(96, 300, seed=7)
+    # fp16 weights, so that the plain copy of grad is fp16: the interpreter's truncating
+    # bf16 cast would differ from eager's rounding one (tests/gpu checks bf16)
+    w = (torch.randn(300, 64, generator=gen) * 0.05).half()
+    g_wide = _wide(96, 300, seed=7)
+    g = torch.softmax(torch.randn(96, 300, generator=gen) * 4, dim=-1) / 96
 
     def backward():
         # fp32 outputs: the interpreter's truncating bf16 cast would differ from eager's
         into = torch.ones(w.shape)
         dx, dw_into = fp32out.fp16_scaled_grads(g, w, x, torch.float32, torch.float32, into)
-        _, dw = fp32out.fp16_scaled_grads(g, None, x, torch.float32, torch.float32)
-        return dx, dw_into, dw
+        _, dw = fp32out.fp16_scaled_grads(g_wide, None, x, torch.float32, torch.float32)
+        dx_only, _ = fp32out.fp16_scaled_grads(g, w, None, torch.float16, torch.float32)
+        return dx, dw_into, dw, dx_only
 
     eager = backward()
     # the CPU's tensors through the kernels, as CUDA tensors would go
@@ -145,7 +146,7 @@ def test_whole_backward_through_the_kernels_matches_eager(kernels, monkeypatch):
     fused = backward()
     for got, expect in zip(fused, eager, strict=True):
         assert torch.equal(got, expect)
-    ref = g.double().t() @ x.double()
+    ref = g_wide.double().t() @ x.double()
     assert ((fused[2].double() - ref).norm() / ref.norm()).item() < 2.0**-11
 
 

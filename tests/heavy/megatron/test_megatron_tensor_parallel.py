@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from megatron_harness import (
+    DX_SLACK,
     GRAD_SLACK,
     MODES,
     U_BF16,
@@ -90,7 +91,7 @@ def test_tp2_matches_tp1(tp1, tp2, variant: str, mode: str):
             ref_dx[rows],
             dx_mag[rows],
             terms=V,
-            slack=slack,
+            slack=DX_SLACK[mode],
             rounded_to_bf16=True,
             extra=U_BF16 * partials[rows],
         )
