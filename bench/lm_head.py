@@ -10,11 +10,12 @@ Everything runs through the project's own runtime functions:
   ``apply_fp32_lm_head`` installs in Megatron's output layer, forward and backward, against
   the stock bf16 ``x @ W.T``.
 
-Each shape is measured in one run: CUDA-event times (median of ``--iters`` after
-``--warmup``) as a ratio to the bf16 GEMM, extra device memory, and the mean |Δ log p| of
-sampled tokens against a float64 reference. The ways of a shape are timed ``--rounds``
-times, interleaved (each round starts one way later), and each ratio is the median over
-rounds of the way's time over the bf16 time of the same round. The train/generation
+Each shape is measured in one run: CUDA-event times (median over at least ``--iters``
+calls and ``--min-ms`` of timed calls, after ``--warmup``) as a ratio to the bf16 GEMM,
+extra device memory, and the mean |Δ log p| of sampled tokens against a float64
+reference. The ways of a shape are timed ``--rounds`` times, interleaved (each round
+starts one way later), each time next to a bf16 timing of its own, and each ratio is the
+median over rounds of the way's time over that paired bf16 time. The train/generation
 agreement puts the same hidden states through both sides and reports mean exp(|Δ log p|)
 between them.
 
@@ -151,12 +152,14 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def time_ms(fn, warmup: int, iters: int) -> float:
+def time_ms(fn, warmup: int, iters: int, min_ms: float = 0.0) -> float:
+    """Median time of one call of ``fn``, in ms, over at least ``iters`` calls and at least
+    ``min_ms`` of timed calls (so that a fast way is not judged on a few milliseconds)."""
     for _ in range(warmup):
         fn()
     _sync()
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    while len(times) < iters or (sum(times) < min_ms and len(times) < 1000):
         if DEVICE == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -202,7 +205,7 @@ def inputs(t: int, hdim: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return h, w
 
 
-def bench_inference(shape, warmup, iters, rounds: int = 1) -> dict:
+def bench_inference(shape, warmup, iters, rounds: int = 1, min_ms: float = 0.0) -> dict:
     t, hdim, v = shape
     h, w = inputs(t, hdim, v)
     model = Model(w)
@@ -239,17 +242,20 @@ def bench_inference(shape, warmup, iters, rounds: int = 1) -> dict:
             vllm_lm_head_reset(model)
     # timed after the memory figures, interleaved (the copy ways rebuild their copy during
     # their warm-up when another way dropped it)
-    times = time_rounds({way: (lambda way=way: infer(way, model, h)) for way in INFER_WAYS}, warmup, iters, rounds)
+    times, paired = time_rounds(
+        {way: (lambda way=way: infer(way, model, h)) for way in INFER_WAYS}, warmup, iters, rounds, min_ms
+    )
     vllm_lm_head_reset(model)
-    _add_times(rows, times)
+    _add_times(rows, times, paired)
     return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "mean_max_abs_logit": logits_max, "ways": rows}
 
 
-def _add_times(rows: dict, times: dict[str, list[float]]) -> None:
+def _add_times(rows: dict, times: dict[str, list[float]], paired: dict[str, list[float]]) -> None:
     """Each way's median time and its ratio to bf16: the median over rounds of the way's
-    time over the bf16 time of the same round, with the smallest and largest of those."""
+    time over the bf16 time taken next to it (``time_rounds``), with the smallest and
+    largest of those."""
     for way, row in rows.items():
-        ratios = [ms / base for ms, base in zip(times[way], times["bf16"], strict=True)]
+        ratios = [ms / base for ms, base in zip(times[way], paired[way], strict=True)]
         row.update(
             ms=statistics.median(times[way]),
             ratio=statistics.median(ratios),
@@ -296,22 +302,45 @@ def train_step(way: str, x: torch.Tensor, w: torch.Tensor, grad32: torch.Tensor,
     w.grad = None
 
 
-def time_rounds(fns: dict, warmup: int, iters: int, rounds: int) -> dict[str, list[float]]:
-    """``time_ms`` of every function, ``rounds`` times over, interleaved: round r starts at
-    the r-th function, so that no way is always measured right after the same one (a GPU's
-    clocks follow its recent power draw: a way timed once, right after the fp32 GEMMs,
-    reads slower than the same way timed cool)."""
-    names = list(fns)
-    out: dict[str, list[float]] = {name: [] for name in names}
+BASELINE = "bf16"
+
+
+def time_rounds(
+    fns: dict, warmup: int, iters: int, rounds: int, min_ms: float = 0.0
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``time_ms`` of every function, ``rounds`` times over, interleaved, each against a bf16
+    time of its own: returns (times, paired), where ``paired[name][r]`` is the bf16 time
+    taken next to ``times[name][r]``.
+
+    Round r starts at the r-th function, so that no way always follows the same one, and
+    times each way right after a fresh bf16 run (right before it in odd rounds): a GPU's
+    clocks follow its recent power draw, so a way timed after the fp32 GEMMs reads slower
+    than the same way timed cool, and its ratio is only fair against a bf16 time taken in
+    the same state. ``times[BASELINE]`` holds every bf16 time taken."""
+    names = [name for name in fns if name != BASELINE]
+    times: dict[str, list[float]] = {BASELINE: [], **{name: [] for name in names}}
+    paired: dict[str, list[float]] = {name: [] for name in names}
+
+    def timed(name: str) -> float:
+        _sync()
+        t = time_ms(fns[name], warmup, iters, min_ms)
+        times[name].append(t)
+        return t
+
     for r in range(rounds):
-        k = r % len(names)
+        k = r % max(len(names), 1)
         for name in names[k:] + names[:k]:
-            _sync()
-            out[name].append(time_ms(fns[name], warmup, iters))
-    return out
+            if r % 2 == 0:
+                paired[name].append(timed(BASELINE))
+                timed(name)
+            else:
+                timed(name)
+                paired[name].append(timed(BASELINE))
+    paired[BASELINE] = times[BASELINE]
+    return times, paired
 
 
-def bench_training(shape, warmup, iters, ways=TRAIN_WAYS, rounds: int = 1) -> dict:
+def bench_training(shape, warmup, iters, ways=TRAIN_WAYS, rounds: int = 1, min_ms: float = 0.0) -> dict:
     t, hdim, v = shape
     h, w0 = inputs(t, hdim, v, seed=1)
     x = h.clone().requires_grad_(True)
@@ -343,10 +372,10 @@ def bench_training(shape, warmup, iters, ways=TRAIN_WAYS, rounds: int = 1) -> di
         rows[way] = {"rel_err_dx": dx_err, "rel_err_dw_main_grad": dw_err}
     del dx64, dw64
     _reset_peak()
-    times = time_rounds(
-        {way: (lambda way=way: train_step(way, x, w, grad32, grad16)) for way in ways}, warmup, iters, rounds
+    times, paired = time_rounds(
+        {way: (lambda way=way: train_step(way, x, w, grad32, grad16)) for way in ways}, warmup, iters, rounds, min_ms
     )
-    _add_times(rows, times)
+    _add_times(rows, times, paired)
     return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "rounds": rounds, "ways": rows}
 
 
@@ -467,7 +496,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/results.json"))
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--iters", type=int, default=6, help="timed calls per measurement, at least")
+    parser.add_argument(
+        "--min-ms",
+        type=float,
+        default=300.0,
+        help="timed milliseconds per measurement, at least (more calls if needed)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -486,6 +521,7 @@ def main() -> int:
     global DEVICE
     if args.cpu:
         DEVICE = "cpu"
+        args.min_ms = 0.0  # a smoke run's times are not read
     elif not torch.cuda.is_available():
         print("bench/lm_head.py needs a CUDA GPU (or --cpu --quick for a smoke run); none is visible", file=sys.stderr)
         return 2
@@ -500,7 +536,7 @@ def main() -> int:
             "python": platform.python_version(),
             "host": platform.node(),
         },
-        "settings": {"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds},
+        "settings": {"warmup": args.warmup, "iters": args.iters, "min_ms": args.min_ms, "rounds": args.rounds},
     }
     parts = args.only or ["inference", "training", "agreement"]
     ways = args.train_ways.split(",")
@@ -508,10 +544,14 @@ def main() -> int:
     if unknown or "bf16" not in ways:
         parser.error(f"--train-ways: unknown {unknown} (the ratios need bf16); known: {', '.join(TRAIN_WAYS)}")
     results["inference"] = (
-        [bench_inference(s, args.warmup, args.iters, args.rounds) for s in shapes] if "inference" in parts else []
+        [bench_inference(s, args.warmup, args.iters, args.rounds, args.min_ms) for s in shapes]
+        if "inference" in parts
+        else []
     )
     results["training"] = (
-        [bench_training(s, args.warmup, args.iters, ways, args.rounds) for s in shapes] if "training" in parts else []
+        [bench_training(s, args.warmup, args.iters, ways, args.rounds, args.min_ms) for s in shapes]
+        if "training" in parts
+        else []
     )
     results["agreement"] = [agreement(shapes[0])] if "agreement" in parts else []
     args.out.parent.mkdir(parents=True, exist_ok=True)

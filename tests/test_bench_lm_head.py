@@ -14,27 +14,44 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lm_head, "DEVICE", "cpu")
 
 
-def test_rounds_rotate_the_order_and_keep_every_time(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rounds_rotate_the_order_and_pair_every_way_with_a_bf16_time(
+    cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[str] = []
     fake = iter(range(100))
-    monkeypatch.setattr(lm_head, "time_ms", lambda fn, warmup, iters: (fn(), float(next(fake)))[1])
-    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
-    times = lm_head.time_rounds(fns, warmup=0, iters=1, rounds=4)
-    # each round starts one function later, so none always follows the same one
-    assert calls == [*"abc", *"bca", *"cab", *"abc"]
-    assert times == {"a": [0.0, 5.0, 7.0, 9.0], "b": [1.0, 3.0, 8.0, 10.0], "c": [2.0, 4.0, 6.0, 11.0]}
+    monkeypatch.setattr(lm_head, "time_ms", lambda fn, warmup, iters, min_ms: (fn(), float(next(fake)))[1])
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("bf16", "a", "b")}
+    times, paired = lm_head.time_rounds(fns, warmup=0, iters=1, rounds=3)
+    # each round starts one way later; bf16 is timed right before each way in even rounds,
+    # right after it in odd ones
+    assert calls == ["bf16", "a", "bf16", "b", "b", "bf16", "a", "bf16", "bf16", "a", "bf16", "b"]
+    assert times == {"bf16": [0.0, 2.0, 5.0, 7.0, 8.0, 10.0], "a": [1.0, 6.0, 9.0], "b": [3.0, 4.0, 11.0]}
+    assert paired == {"a": [0.0, 7.0, 8.0], "b": [2.0, 5.0, 10.0], "bf16": times["bf16"]}
 
 
-def test_ratios_are_per_round_medians() -> None:
+def test_time_ms_runs_at_least_min_ms(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter(x * 0.001 for x in range(0, 10_000, 2))  # each call takes 2 ms
+    monkeypatch.setattr(lm_head.time, "perf_counter", lambda: next(clock))
+    calls: list[int] = []
+    assert lm_head.time_ms(lambda: calls.append(1), warmup=1, iters=3, min_ms=0) == pytest.approx(2.0)
+    assert len(calls) == 1 + 3
+    calls.clear()
+    lm_head.time_ms(lambda: calls.append(1), warmup=0, iters=3, min_ms=20)
+    assert len(calls) == 10
+
+
+def test_ratios_are_per_round_medians_against_the_paired_bf16_time() -> None:
     rows = {"bf16": {}, "x": {}}
-    # the bf16 time drifts; x is always 1.1x the bf16 time of its own round
-    times = {"bf16": [10.0, 20.0, 12.0], "x": [11.0, 22.0, 13.2]}
-    lm_head._add_times(rows, times)
+    # the bf16 time drifts; x is always 1.1x the bf16 time taken next to it
+    times = {"bf16": [10.0, 9.0, 20.0, 21.0, 12.0], "x": [11.0, 22.0, 13.2]}
+    paired = {"bf16": times["bf16"], "x": [10.0, 20.0, 12.0]}
+    lm_head._add_times(rows, times, paired)
     assert rows["bf16"]["ratio"] == 1.0
     assert rows["x"]["ratio"] == pytest.approx(1.1)
     assert (rows["x"]["ratio_min"], rows["x"]["ratio_max"]) == (pytest.approx(1.1), pytest.approx(1.1))
     assert rows["x"]["ms"] == 13.2  # the median time, reported beside the ratio
     assert rows["x"]["ms_rounds"] == [11.0, 22.0, 13.2]
+    assert rows["bf16"]["ms"] == 12.0
 
 
 def test_stock_linear_gives_megatrons_gradients() -> None:
@@ -54,8 +71,9 @@ def test_training_bench_runs_every_way_on_the_cpu(cpu: None) -> None:
     assert list(ways) == lm_head.TRAIN_WAYS
     assert block["rounds"] == 2
     assert ways["bf16"]["ratio"] == 1.0
-    for row in ways.values():
-        assert len(row["ms_rounds"]) == 2
+    for way, row in ways.items():
+        # bf16 is timed next to each of the other ways, in every round
+        assert len(row["ms_rounds"]) == 2 * (len(ways) - 1 if way == "bf16" else 1)
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
     # the weight gradient: fp32out at or below TF32's error, far below bf16's
     assert ways["fp32out"]["rel_err_dw_main_grad"] < ways["bf16"]["rel_err_dw_main_grad"] / 4

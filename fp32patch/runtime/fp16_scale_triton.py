@@ -9,15 +9,13 @@ Here it takes one read of the gradient for the column maxima, one pass that writ
 copies, and one pass that undoes the scales on the product while casting it to its dtype or
 adding it into ``main_grad``.
 
-The results are bit for bit those of the eager path: the maxima are exact (taken on the
-bit patterns of |a|, which order like the values and keep NaN above inf, as
-``torch.linalg.vector_norm(a, inf)`` does), the scales follow ``fp32out._pow2_scale``'s
-formula on those bits (computed in a kernel, which saves a dozen small launches per
-operand), the 16-bit conversions round to nearest even like ``Tensor.to`` and
-``torch.mul(..., out=fp16)``, and multiplying by the exact inverse power of two equals
-dividing by it. No atomics: every program writes its own partial maxima, so runs repeat
-exactly. Everything is allocated with torch on the current stream, so a CUDA graph can
-capture it (after a warm-up call has compiled the kernels, as for any Triton code).
+The results are bit for bit those of the eager path: the column maxima are the same torch
+reduction (``torch.linalg.vector_norm(a, inf)``), the scales follow ``fp32out._pow2_scale``'s
+formula on the maxima's bits (one kernel instead of a handful of small launches), the 16-bit
+conversions round to nearest even like ``Tensor.to`` and ``torch.mul(..., out=fp16)``, and
+multiplying by the exact inverse power of two equals dividing by it. No atomics, so runs
+repeat exactly. Everything is allocated with torch on the current stream, so a CUDA graph
+can capture it (after a warm-up call has compiled the kernels, as for any Triton code).
 
 Triton is imported when ``load()`` is first called, which ``fp32out`` does only for CUDA
 tensors; without Triton the eager path runs.
@@ -30,12 +28,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# Tiles: [rows, columns] per program. The maxima pass walks ROW_STEPS row tiles per
-# program to keep the column partials small (T/(BM*steps) x V int32).
-# (Chosen on an H200 among a few shapes: bench/fp32out_parts.py --tiles.)
-_COLMAX_BM, _COLMAX_BN, _COLMAX_ROW_STEPS, _COLMAX_WARPS = 64, 256, 16, 8
+# Tiles: [rows, columns] per program (chosen on an H200: bench/fp32out_parts.py --tiles).
 _CONVERT_BM, _CONVERT_BN, _CONVERT_WARPS = 16, 512, 8
-_SCALES_BL, _SCALES_BP, _SCALES_WARPS = 128, 32, 4
+_SCALES_BL, _SCALES_WARPS = 1024, 4
 _UNSCALE_BM, _UNSCALE_BN, _UNSCALE_WARPS = 32, 256, 8
 
 _KERNELS: dict[str, Any] = {}
@@ -52,48 +47,17 @@ def load() -> bool:
         return False
 
     @triton.jit
-    def colmax_kernel(
-        src,
-        col_part,
-        M,
-        N,
-        s_m,
-        s_n,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        ROW_STEPS: tl.constexpr,
-    ):
-        # Column maxima of |src| as int32 bit patterns, per block of BM * ROW_STEPS rows:
-        # col_part [cdiv(M, BM * ROW_STEPS), N].
-        pid_m = tl.program_id(0)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = rn < N
-        # elementwise over the row steps; reduced across rows once, at the end
-        col_max = tl.zeros([BM, BN], dtype=tl.int32)
-        for step in range(ROW_STEPS):
-            rm = (pid_m * ROW_STEPS + step) * BM + tl.arange(0, BM)
-            ptrs = src + rm.to(tl.int64)[:, None] * s_m + rn.to(tl.int64)[None, :] * s_n
-            a = tl.load(ptrs, mask=(rm < M)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            col_max = tl.maximum(col_max, a.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-        tl.store(col_part + pid_m.to(tl.int64) * N + rn, tl.max(col_max, axis=0), mask=col_ok)
-
-    @triton.jit
-    def scales_kernel(part, scale, L, P, s_l, s_p, BL: tl.constexpr, BP: tl.constexpr):
-        # scale[l] = the power of two that brings max_p part[l, p] into [2**13, 2**14), from
-        # the bits: fp32out._pow2_scale's formula (frexp exponent e = biased exponent - 126,
-        # shift = clamp(14 - e, -100, 100); subnormal maxima clamp to 100 as well; 0, inf
-        # and NaN get 1)
+    def scales_kernel(amax, scale, L, BL: tl.constexpr):
+        # scale[l] = the power of two that brings amax[l] (as int32 bits) into [2**13, 2**14):
+        # fp32out._pow2_scale's formula (frexp exponent e = biased exponent - 126, shift =
+        # clamp(14 - e, -100, 100); subnormal maxima clamp to 100 as well; 0, inf and NaN,
+        # whose bits may carry a sign, get 1)
         rl = tl.program_id(0) * BL + tl.arange(0, BL)
-        l_ok = rl < L
-        acc = tl.zeros([BL, BP], dtype=tl.int32)
-        for p0 in range(0, P, BP):
-            rp = p0 + tl.arange(0, BP)
-            ptrs = part + rl.to(tl.int64)[:, None] * s_l + rp.to(tl.int64)[None, :] * s_p
-            acc = tl.maximum(acc, tl.load(ptrs, mask=l_ok[:, None] & (rp < P)[None, :], other=0))
-        bits = tl.max(acc, axis=1)
+        ok = rl < L
+        bits = tl.load(amax + rl, mask=ok, other=0)
         shift = tl.minimum(tl.maximum(140 - (bits >> 23), -100), 100)
         shift = tl.where((bits > 0) & (bits < 0x7F800000), shift, 0)
-        tl.store(scale + rl, ((shift + 127) << 23).to(tl.float32, bitcast=True), mask=l_ok)
+        tl.store(scale + rl, ((shift + 127) << 23).to(tl.float32, bitcast=True), mask=ok)
 
     @triton.jit
     def convert_kernel(
@@ -162,40 +126,25 @@ def load() -> bool:
             v = tl.load(d, mask=mask, other=0.0) + v
         tl.store(d, v.to(dst.dtype.element_ty), mask=mask)
 
-    _KERNELS.update(
-        colmax=colmax_kernel, scales=scales_kernel, convert=convert_kernel, unscale=unscale_kernel, cdiv=triton.cdiv
-    )
+    _KERNELS.update(scales=scales_kernel, convert=convert_kernel, unscale=unscale_kernel, cdiv=triton.cdiv)
     return True
 
 
 def column_scales(a: torch.Tensor) -> torch.Tensor:
     """The power-of-two scales of ``fp32out._pow2_scale`` for max |a| per column of a 2-D
-    tensor, [1, N], from one read of ``a``."""
+    tensor, [1, N], from one read of ``a``.
+
+    The maxima are torch's own reduction, which reads at the H200's copy rate (a Triton
+    one reached ~85% of it); one kernel turns them into scales."""
     import torch
 
-    m, n = a.shape
-    cdiv = _KERNELS["cdiv"]
-    n_col_tiles = cdiv(n, _COLMAX_BN)
-    m_programs = cdiv(m, _COLMAX_BM * _COLMAX_ROW_STEPS)
-    # the maxima as int32 bit patterns of |a| (non-negative floats order as their bits, NaN
-    # above inf), per column and block of rows
-    col_part = torch.empty((m_programs, n), dtype=torch.int32, device=a.device)
-    _KERNELS["colmax"][(m_programs, n_col_tiles)](
-        a,
-        col_part,
-        m,
-        n,
-        a.stride(0),
-        a.stride(1),
-        BM=_COLMAX_BM,
-        BN=_COLMAX_BN,
-        ROW_STEPS=_COLMAX_ROW_STEPS,
-        num_warps=_COLMAX_WARPS,
-    )
+    n = a.shape[1]
+    amax = torch.linalg.vector_norm(a, float("inf"), dim=0).float()
     scale = torch.empty(n, dtype=torch.float32, device=a.device)
-    _KERNELS["scales"][(cdiv(n, _SCALES_BL),)](
-        col_part, scale, n, m_programs, 1, n, BL=_SCALES_BL, BP=_SCALES_BP, num_warps=_SCALES_WARPS
-    )
+    if n:
+        _KERNELS["scales"][(_KERNELS["cdiv"](n, _SCALES_BL),)](
+            amax.view(torch.int32), scale, n, BL=_SCALES_BL, num_warps=_SCALES_WARPS
+        )
     return scale.view(1, n)
 
 
