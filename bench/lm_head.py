@@ -431,9 +431,7 @@ def plot(results: dict, path: Path) -> None:
     train = results["training"][0] if results["training"] else None
     fig, axes = plt.subplots(1, 2 if train else 1, figsize=(13 if train else 7, 4.5), squeeze=False)
     ax = axes[0][0]
-    for way, row in first["ways"].items():
-        ax.scatter(row["ratio"], row["mean_abs_dlogp"], s=60)
-        ax.annotate(way, (row["ratio"], row["mean_abs_dlogp"]), textcoords="offset points", xytext=(6, 4))
+    _points(ax, [(way, row["ratio"], row["mean_abs_dlogp"]) for way, row in first["ways"].items()])
     ax.set_xscale("log")
     ax.set_yscale("log")
     s = first["shape"]
@@ -443,9 +441,7 @@ def plot(results: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     if train:
         ax = axes[0][1]
-        for way, row in train["ways"].items():
-            ax.scatter(row["ratio"], row["rel_err_dw_main_grad"], s=60)
-            ax.annotate(way, (row["ratio"], row["rel_err_dw_main_grad"]), textcoords="offset points", xytext=(6, 4))
+        _points(ax, [(way, row["ratio"], row["rel_err_dw_main_grad"]) for way, row in train["ways"].items()])
         ax.set_xscale("log")
         ax.set_yscale("log")
         s = train["shape"]
@@ -455,6 +451,20 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _points(ax, points: list[tuple[str, float, float]]) -> None:
+    """Scatter (name, x, y) on log axes, each label below the labels of points already drawn
+    close to it (ways with the same error sit on top of each other)."""
+    import math
+
+    drawn: list[tuple[float, float]] = []
+    for name, x, y in points:
+        lx, ly = math.log10(x), math.log10(y)
+        near = sum(abs(lx - dx) < 0.15 and abs(ly - dy) < 0.15 for dx, dy in drawn)
+        drawn.append((lx, ly))
+        ax.scatter(x, y, s=60)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4 - 12 * near))
 
 
 def table(results: dict) -> str:

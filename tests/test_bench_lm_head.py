@@ -78,3 +78,20 @@ def test_training_bench_runs_every_way_on_the_cpu(cpu: None) -> None:
     # the weight gradient: fp32out at or below TF32's error, far below bf16's
     assert ways["fp32out"]["rel_err_dw_main_grad"] < ways["bf16"]["rel_err_dw_main_grad"] / 4
     assert ways["fp32"]["rel_err_dw_main_grad"] < 1e-6
+
+
+def test_plot_labels_of_close_points_are_stacked() -> None:
+    class Axes:
+        def __init__(self) -> None:
+            self.labels: dict[str, tuple[int, int]] = {}
+
+        def scatter(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def annotate(self, name: str, xy: object, textcoords: str, xytext: tuple[int, int]) -> None:
+            self.labels[name] = xytext
+
+    ax = Axes()
+    lm_head._points(ax, [("bf16", 1.0, 4.6e-4), ("casts", 1.1, 4.6e-4), ("bf16grad", 1.05, 4.6e-4), ("far", 2.4, 6e-5)])
+    # same error, close in time: each next label one line lower; a distant point is left alone
+    assert ax.labels == {"bf16": (6, 4), "casts": (6, -8), "bf16grad": (6, -20), "far": (6, 4)}
