@@ -551,7 +551,7 @@ def main() -> int:
     parts = args.only or ["inference", "training", "agreement"]
     ways = args.train_ways.split(",")
     unknown = sorted(set(ways) - set(TRAIN_WAYS))
-    if unknown or "bf16" not in ways:
+    if unknown or BASELINE not in ways:
         parser.error(f"--train-ways: unknown {unknown} (the ratios need bf16); known: {', '.join(TRAIN_WAYS)}")
     results["inference"] = (
         [bench_inference(s, args.warmup, args.iters, args.rounds, args.min_ms) for s in shapes]

@@ -469,7 +469,11 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked
     host, pid, dtype = report.get("host", "?"), report.get("pid", "?"), report.get("dtype")
     env, way, reason = report.get("env"), report.get("way"), report.get("reason") or ""
     worker = f"vLLM worker {index} (host {host}, pid {pid})"
-    asking = asked_by if asked_by is not None else f"{MEGATRON_KEY}={mode!r}"
+    # what asked for this worker's logits, as the messages name it
+    if asked_by is not None:
+        asking = asked_by
+    else:
+        asking = f"{MEGATRON_KEY}={mode!r}" if mode is not None else f"{MEGATRON_KEY} is off"
     if dtype is None:
         return f"{worker} computes no logits while {asking}: {reason}"
     if mode is not None:
@@ -488,7 +492,7 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked
                 + (f": {file}" if file else "")
             )
         return said + f"the way is {way}: {reason}"
-    said = f"{worker} computes float32 logits while {asked_by or MEGATRON_KEY + ' is off'}: "
+    said = f"{worker} computes float32 logits while {asking}: "
     if env is not None and env.strip() not in ("", "0"):
         return said + f"{VLLM_ENV_VAR}={env!r} in that process (unset it, or turn {MEGATRON_KEY} on)"
     return said + f"the way is {way}: {reason}"
