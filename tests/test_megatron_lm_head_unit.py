@@ -218,7 +218,7 @@ def test_the_runtime_imports_without_torch_and_without_the_patcher():
         """
         import sys
         sys.modules["torch"] = None  # any import of torch now fails
-        import fp32patch.runtime.megatron_lm_head, fp32patch.runtime.config
+        import fp32patch.runtime.megatron_lm_head, fp32patch.runtime.config, fp32patch.runtime.nemo_rl
         assert not any(m.startswith("fp32patch.patcher") for m in sys.modules)
         print("ok")
         """

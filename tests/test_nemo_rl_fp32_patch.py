@@ -476,7 +476,7 @@ def test_reference_logprobs_swap_weights_into_the_wired_model(monkeypatch, patch
     ids=["megatron-only", "vllm-only", "near-miss-key", "residual-set-twice", "residual-not-a-bool"],
 )
 def test_each_megatron_worker_refuses_a_bad_config_before_building(monkeypatch, patched_roots, cfg, fragments):
-    from fp32patch.runtime.config import Fp32LmHeadConfigError
+    from fp32patch.runtime.nemo_rl import Fp32LmHeadConfigError
 
     monkeypatch.delenv(VAR, raising=False)
     get_model = megatron_doubles(monkeypatch, ModelProvider())
@@ -520,7 +520,7 @@ class Cluster:
 @needs_runtime
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[-1]], ids=[SHAPE_IDS[0], SHAPE_IDS[-1]])
 def test_the_driver_refuses_a_one_sided_config_before_any_policy_worker_starts(monkeypatch, patched_roots, shape):
-    from fp32patch.runtime.config import Fp32LmHeadConfigError
+    from fp32patch.runtime.nemo_rl import Fp32LmHeadConfigError
 
     monkeypatch.delenv(VAR, raising=False)
     lm_policy = load_module(patched_roots[shape.name] / POLICY)

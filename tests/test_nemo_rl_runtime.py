@@ -13,11 +13,12 @@ import pytest
 from pydantic import BaseModel
 from typing_extensions import NotRequired, TypedDict
 
-from fp32patch.runtime.config import Fp32LmHeadConfigError, Fp32LmHeadSettings
 from fp32patch.runtime.nemo_rl import (
     PROBE_RPC,
     VLLM_ENV_VAR,
+    Fp32LmHeadConfigError,
     Fp32LmHeadMismatchError,
+    Fp32LmHeadSettings,
     check_config,
     check_probe_reports,
 )

@@ -14,9 +14,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron_harness import B, H, Nest, S, V, assert_within, config, hybrid_model, problem
 from test_megatron_output_layer import SHAPES, check_head
 
-from fp32patch.runtime.config import Fp32LmHeadConfigError
 from fp32patch.runtime.megatron_lm_head import fp32_lm_head_mode
-from fp32patch.runtime.nemo_rl import wire_megatron
+from fp32patch.runtime.nemo_rl import Fp32LmHeadConfigError, wire_megatron
 
 pytestmark = pytest.mark.usefixtures("tp1")
 

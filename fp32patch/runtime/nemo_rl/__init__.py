@@ -1,0 +1,41 @@
+"""What NeMo-RL's patched files call: one config turns the fp32 LM head on in both engines.
+
+NeMo-RL's glue, in one place (``config``: the guard; ``wiring``: the trainer's head on the
+models NeMo-RL builds; ``probe``: the driver's verdict on the vLLM workers' reports). The
+heads themselves are shared by every stack (``megatron_lm_head``, ``vllm_lm_head``), as is
+the worker-side measurement (``vllm_probe``).
+
+- ``check_config(cfg, where=...)``: the config guard, run in the driver before any worker
+  starts and again in each Megatron worker.
+- ``wire_megatron(model, megatron_cfg)``: the fp32 output layer on every model chunk that
+  ``get_model`` returned.
+- ``probe_vllm_model(model)``: run inside each vLLM worker once the model is loaded.
+- ``check_probe_reports(reports, settings, where=...)``: in the driver, refuses to go on when
+  a vLLM worker's logits disagree with the trainer's.
+
+Patched files import this module by this name (``fp32patch.runtime.nemo_rl``) and call the
+names below; they stay as they are for every file that an older fp32patch patched. Importing
+it imports neither torch, vLLM nor Megatron.
+"""
+
+from __future__ import annotations
+
+from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.modes import VLLM_ENV_VAR
+from fp32patch.runtime.nemo_rl.config import Fp32LmHeadSettings, check_config, validate_fp32_lm_head_config
+from fp32patch.runtime.nemo_rl.probe import PROBE_RPC, check_probe_reports
+from fp32patch.runtime.nemo_rl.wiring import wire_megatron
+from fp32patch.runtime.vllm_probe import probe_vllm_model
+
+__all__ = [
+    "PROBE_RPC",
+    "VLLM_ENV_VAR",
+    "Fp32LmHeadConfigError",
+    "Fp32LmHeadMismatchError",
+    "Fp32LmHeadSettings",
+    "check_config",
+    "check_probe_reports",
+    "probe_vllm_model",
+    "validate_fp32_lm_head_config",
+    "wire_megatron",
+]

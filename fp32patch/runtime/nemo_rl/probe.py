@@ -1,0 +1,146 @@
+"""NeMo-RL's driver holds the vLLM workers' probe reports to its config.
+
+``check_probe_reports(reports, settings, where=...)`` refuses to go on when a vLLM worker's
+logits disagree with the trainer's fp32 LM-head setting, naming the worker and the reason,
+and logs one INFO line when all agree. The reports come from
+``fp32patch.runtime.vllm_probe.probe_vllm_model``, run in each worker through NeMo-RL's
+collective_rpc under the name ``PROBE_RPC``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.modes import VLLM_ENV_VAR, megatron_mode
+from fp32patch.runtime.nemo_rl.config import MEGATRON_KEY, Fp32LmHeadSettings
+
+# The method NeMo-RL's patched vLLM worker extension gets; the driver calls it by this name
+# through NeMo-RL's collective_rpc.
+PROBE_RPC = "fp32patch_probe_lm_head"
+
+# A child of NeMo-RL's logger, so these lines go where NeMo-RL's own go.
+logger = logging.getLogger("nemo_rl.fp32patch")
+
+
+def check_probe_reports(
+    reports: Any, settings_or_mode: Any, *, where: str = "driver", asked_by: str | None = None
+) -> None:
+    """Refuse to go on when any vLLM worker's logits disagree with Megatron's setting.
+
+    ``reports`` is what NeMo-RL's collective_rpc of ``PROBE_RPC`` returns: one report per
+    worker (nested lists, one per engine, are flattened in order). ``settings_or_mode`` is the
+    ``Fp32LmHeadSettings`` from ``check_config`` or a ``megatron_cfg.fp32_lm_head`` value.
+    Megatron fp32: every worker must compute float32 logits. Megatron off: none may. Raises
+    ``Fp32LmHeadMismatchError`` naming each disagreeing worker (index, host, pid) and why;
+    logs one INFO line when all agree.
+
+    A caller that knows only the vLLM switch (NeMo-RL's driver holds the generation config,
+    and the config guard holds Megatron's key to that switch) passes any mode for "on" and
+    names the switch in ``asked_by`` (``"NRL_VLLM_FP32_LM_HEAD='1' in ..."``): the messages
+    then say what asked, not a Megatron mode the caller does not know.
+    """
+    if isinstance(settings_or_mode, Fp32LmHeadSettings):
+        mode = settings_or_mode.megatron
+    else:
+        try:
+            mode = megatron_mode(settings_or_mode)
+        except ValueError as exc:
+            raise Fp32LmHeadConfigError(f"fp32patch ({where}): {MEGATRON_KEY}: {exc}") from None
+    flat = _flatten(reports)
+    if not flat:
+        raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
+    bad: list[tuple[int, Any, str]] = []
+    for index, report in enumerate(flat):
+        if not isinstance(report, Mapping):
+            bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
+            continue
+        dtype = report.get("dtype")
+        if (mode is not None and dtype != "float32") or (mode is None and dtype == "float32"):
+            bad.append((index, report, _disagreement(index, report, mode, asked_by)))
+    if bad:
+        if mode is not None:
+            why = (
+                "Megatron would train on fp32 logits and vLLM generate from bf16 ones, which makes "
+                "the train/generation mismatch worse than both off"
+            )
+        else:
+            why = (
+                "vLLM would generate from fp32 logits and Megatron train on bf16 ones, which makes "
+                "the train/generation mismatch worse than both off"
+            )
+        lines = [f"fp32patch ({where}): the fp32 LM head is not on in both engines alike:"]
+        lines += [f"  {reason}" for _, _, reason in bad]
+        lines.append(f"{why}. Fix the worker(s) above, or turn both switches off.")
+        raise Fp32LmHeadMismatchError("\n".join(lines), bad)
+    ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
+    dtypes = ", ".join(sorted({str(r.get("dtype")) for r in flat}))
+    if asked_by is not None:
+        logger.info(
+            "fp32patch (%s): LM head fp32 %s in every vLLM worker, as %s asks: %d vLLM worker(s) compute %s "
+            "logits (%s); the config guard holds %s to the same switch",
+            where,
+            "on" if mode is not None else "off",
+            asked_by,
+            len(flat),
+            dtypes,
+            "way: " + ways if mode is not None else "stock",
+            MEGATRON_KEY,
+        )
+    elif mode is not None:
+        logger.info(
+            "fp32patch (%s): LM head fp32 in both engines: Megatron fp32_lm_head=%r, %d vLLM worker(s) "
+            "compute float32 logits (way: %s)",
+            where,
+            mode,
+            len(flat),
+            ways,
+        )
+    else:
+        logger.info(
+            "fp32patch (%s): LM head fp32 off in both engines: %d vLLM worker(s) compute %s logits",
+            where,
+            len(flat),
+            dtypes,
+        )
+
+
+def _flatten(reports: Any) -> list[Any]:
+    if isinstance(reports, (list, tuple)):
+        return [item for nested in reports for item in _flatten(nested)]
+    return [reports]
+
+
+def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked_by: str | None) -> str:
+    host, pid, dtype = report.get("host", "?"), report.get("pid", "?"), report.get("dtype")
+    env, way, reason = report.get("env"), report.get("way"), report.get("reason") or ""
+    worker = f"vLLM worker {index} (host {host}, pid {pid})"
+    # what asked for this worker's logits, as the messages name it
+    if asked_by is not None:
+        asking = asked_by
+    else:
+        asking = f"{MEGATRON_KEY}={mode!r}" if mode is not None else f"{MEGATRON_KEY} is off"
+    if dtype is None:
+        return f"{worker} computes no logits while {asking}: {reason}"
+    if mode is not None:
+        said = f"{worker} computes {dtype} logits while {asking}: "
+        if env is None or env.strip() in ("", "0"):
+            state = "unset" if env is None or not env.strip() else f"{env!r}"
+            return said + (
+                f"{VLLM_ENV_VAR} is {state} in that process (set it in "
+                "policy.generation.vllm_cfg.env_vars, not only in the driver's environment)"
+            )
+        if not report.get("patched") and way != "native":
+            file = report.get("file")
+            return (
+                said
+                + "the model file is not patched (run fp32patch apply in that venv)"
+                + (f": {file}" if file else "")
+            )
+        return said + f"the way is {way}: {reason}"
+    said = f"{worker} computes float32 logits while {asking}: "
+    if env is not None and env.strip() not in ("", "0"):
+        return said + f"{VLLM_ENV_VAR}={env!r} in that process (unset it, or turn {MEGATRON_KEY} on)"
+    return said + f"the way is {way}: {reason}"
