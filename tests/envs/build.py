@@ -1,30 +1,39 @@
-"""Build (or reuse) the heavy test environments: real vLLM, real megatron-core.
+"""Build (or reuse) the heavy test environments: real vLLM, real megatron-core, real transformers.
 
 Each environment is a virtualenv under ``$FP32PATCH_TEST_CACHE`` (default
-``~/.cache/fp32patch-tests``), outside the repository, built from a recipe below. A
-recipe's hash is stored in the environment; a changed recipe rebuilds it. The tests
-that need one run with its interpreter (``make test`` does this) and put the
+``~/.cache/fp32patch-tests``), outside the repository, installed from a lock kept beside
+this file (``locks/<name>.txt``: every distribution at an exact version, as ``pip freeze``
+wrote it on the day the lock was refreshed), so a new upstream release cannot change what a
+fresh machine tests. The lock's hash is stored in the environment; a changed lock rebuilds it.
+The tests that need one run with its interpreter (``make test`` does this) and put the
 repository on ``PYTHONPATH``; fp32patch itself is never installed into them.
 
-    python tests/envs/build.py [NAME ...]     # default: every recipe
-    python tests/envs/build.py --path NAME    # print the interpreter's path
+A lock is refreshed from its recipe below (what the environment is for, unpinned where the
+recipe says so), resolved anew on that day, and the environment is rebuilt from it:
+
+    python tests/envs/build.py [NAME ...]          # build from the locks (default: every one)
+    python tests/envs/build.py --path NAME         # print the interpreter's path
+    python tests/envs/build.py --refresh NAME ...  # resolve the recipe today, write the lock
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
-# Test dependencies every heavy environment needs to run pytest over our tests.
-_TEST_DEPS = ["pytest>=8", "libcst>=1.1", "typer>=0.12", "rich>=13", "packaging>=23"]
+LOCKS = Path(__file__).resolve().parent / "locks"
 
-# name -> list of pip argument lists, run in order with the environment's pip.
+# Test dependencies every heavy environment needs to run pytest over our tests.
+_TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "libcst>=1.1", "typer>=0.16", "rich>=13", "packaging>=23"]
+
+# name -> list of pip argument lists, run in order with the environment's pip when a lock is
+# refreshed. Building from a lock runs none of them.
 RECIPES: dict[str, list[list[str]]] = {
     # The newest vLLM, whole, as an image would hold it (its CUDA torch runs on the CPU).
     "vllm-0.33": [["install", "vllm==0.33.0"]],
@@ -40,7 +49,7 @@ RECIPES: dict[str, list[list[str]]] = {
     # suite's .venv has the newest), with what the main suite needs to run.
     "lowest": [
         ["install", "torch==2.13.0"],
-        ["install", "pytest>=8,<9", "hypothesis>=6.100", "fastapi>=0.110", "httpx>=0.27"],
+        ["install", "pytest>=8,<9", "pytest-xdist>=3", "hypothesis>=6.100", "fastapi>=0.110", "httpx>=0.27"],
         # last, so that nothing installed after them moves them up
         ["install", "libcst==1.1.0", "typer==0.16.0", "rich==13.0.0", "packaging==23.0"],
     ],
@@ -61,43 +70,94 @@ def env_python(name: str) -> Path:
     return env_dir(name) / "bin" / "python"
 
 
-def _recipe_hash(name: str) -> str:
-    blob = json.dumps({"recipe": RECIPES[name], "test": _OWN_PINS.get(name, _TEST_DEPS), "py": sys.version_info[:2]})
-    return hashlib.sha256(blob.encode()).hexdigest()
+def lock_path(name: str) -> Path:
+    return LOCKS / f"{name}.txt"
+
+
+def _stamp(name: str) -> str:
+    """What an environment built from today's lock is stamped with."""
+    lock = lock_path(name).read_bytes()
+    return hashlib.sha256(lock + repr(sys.version_info[:2]).encode()).hexdigest()
 
 
 def is_ready(name: str) -> bool:
-    stamp = env_dir(name) / ".fp32patch-recipe"
-    return env_python(name).exists() and stamp.exists() and stamp.read_text() == _recipe_hash(name)
+    stamp = env_dir(name) / ".fp32patch-lock"
+    return env_python(name).exists() and stamp.exists() and stamp.read_text() == _stamp(name)
+
+
+def _known(name: str) -> None:
+    if name not in RECIPES:
+        raise SystemExit(f"unknown test environment {name!r}; known: {', '.join(sorted(RECIPES))}")
+
+
+def _fresh_venv(target: Path) -> list[str]:
+    shutil.rmtree(target, ignore_errors=True)
+    venv.EnvBuilder(with_pip=True, symlinks=True).create(target)
+    pip = [str(target / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "install", "-q", "--upgrade", "pip"], check=True)
+    return pip
 
 
 def build(name: str) -> Path:
-    if name not in RECIPES:
-        raise SystemExit(f"unknown test environment {name!r}; known: {', '.join(sorted(RECIPES))}")
+    """The environment ``name``, installed from its lock (rebuilt when the lock changed)."""
+    _known(name)
+    lock = lock_path(name)
+    if not lock.is_file():
+        raise SystemExit(f"no lock for test environment {name!r} at {lock}; write one with: {_refresh_command(name)}")
     if is_ready(name):
         print(f"[envs] {name}: ready at {env_dir(name)}", flush=True)
         return env_python(name)
     target = env_dir(name)
+    print(f"[envs] {name}: building from {lock.relative_to(LOCKS.parent.parent.parent)} in {target}", flush=True)
     # The stamp is written last: an environment without it is a half-built one.
-    shutil.rmtree(target, ignore_errors=True)
-    print(f"[envs] {name}: building in {target}", flush=True)
-    venv.EnvBuilder(with_pip=True, symlinks=True).create(target)
-    pip = [str(target / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "install", "-q", "--upgrade", "pip"], check=True)
+    pip = _fresh_venv(target)
+    # Every distribution is in the lock at its version: nothing is resolved, nothing newer arrives.
+    subprocess.run([*pip, "install", "-q", "--no-deps", "-r", str(lock)], check=True)
+    subprocess.run([*pip, "check"], check=True, stdout=subprocess.DEVNULL)
+    (target / ".fp32patch-lock").write_text(_stamp(name))
+    print(f"[envs] {name}: ready at {target}", flush=True)
+    return env_python(name)
+
+
+def refresh(name: str) -> Path:
+    """Resolve ``name``'s recipe today, write its lock from what was installed, and keep that
+    environment as the one built from the new lock."""
+    _known(name)
+    target = env_dir(name)
+    print(f"[envs] {name}: resolving the recipe in {target}", flush=True)
+    pip = _fresh_venv(target)
     for args in RECIPES[name]:
         print(f"[envs] {name}: pip {' '.join(args)}", flush=True)
         subprocess.run([*pip, *args], check=True)
     extra = _OWN_PINS.get(name, _TEST_DEPS)
     if extra:
         subprocess.run([*pip, "install", "-q", *extra], check=True)
-    (target / ".fp32patch-recipe").write_text(_recipe_hash(name))
-    print(f"[envs] {name}: ready at {target}", flush=True)
+    frozen = subprocess.run([*pip, "freeze"], check=True, capture_output=True, text=True).stdout
+    header = (
+        f"# The {name} test environment, as resolved from its recipe in tests/envs/build.py.\n"
+        f"# Refresh with: {_refresh_command(name)}\n"
+    )
+    LOCKS.mkdir(exist_ok=True)
+    lock = lock_path(name)
+    with tempfile.NamedTemporaryFile("w", dir=LOCKS, delete=False, suffix=".tmp") as handle:
+        handle.write(header + "".join(sorted(frozen.splitlines(keepends=True), key=str.lower)))
+    os.replace(handle.name, lock)
+    (target / ".fp32patch-lock").write_text(_stamp(name))
+    print(f"[envs] {name}: wrote {lock}", flush=True)
     return env_python(name)
+
+
+def _refresh_command(name: str) -> str:
+    return f"python tests/envs/build.py --refresh {name}"
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--path"]:
         print(env_python(argv[1]))
+        return 0
+    if argv[:1] == ["--refresh"]:
+        for name in argv[1:] or sorted(RECIPES):
+            refresh(name)
         return 0
     for name in argv or sorted(RECIPES):
         build(name)

@@ -4,10 +4,16 @@ A vLLM wheel is 250-400 MB; the tests need a few of its members. ``wheel_members
 reads the wheel's zip directory and just those members over HTTP range requests (about
 a second per release) and caches them under ``$FP32PATCH_TEST_CACHE``; ``wheel_file``
 downloads a whole wheel with pip, for the tests that install it as a real import root.
+
+Test processes run side by side (pytest-xdist), so each fetch holds a lock file of its own
+under the cache, and what others may be reading is only ever added to, each file written
+whole (temp file + ``os.replace``), never removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -15,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -24,6 +31,26 @@ INDEX = os.environ.get("FP32PATCH_TEST_INDEX", "https://pypi.org/simple")
 
 def cache_root() -> Path:
     return Path(os.environ.get("FP32PATCH_TEST_CACHE", Path.home() / ".cache" / "fp32patch-tests"))
+
+
+@contextlib.contextmanager
+def _locked(key: str):
+    """Hold ``key``'s lock under the cache, across processes."""
+    folder = cache_root() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{key}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_whole(target: Path, data: bytes) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as out:
+        out.write(data)
+    os.replace(out.name, target)
 
 
 class _RangeFile(io.RawIOBase):
@@ -82,28 +109,30 @@ def wheel_members(project: str, version: str, members: list[str]) -> Path:
     """
     dest = cache_root() / "wheel-members" / f"{project}-{version}"
     stamp = dest / ".complete"
-    have = json.loads(stamp.read_text()) if stamp.exists() else []
-    if set(members) <= set(have):
+    if set(members) <= set(_members_had(stamp)):
         return dest
-    want = sorted(set(have) | set(members))
-    url, _ = _wheel_url(project, version)
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(io.BufferedReader(_RangeFile(url), buffer_size=1 << 16)) as wheel:
-        names = wheel.namelist()
-        info = [
-            n
-            for n in names
-            if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] in ("METADATA", "RECORD", "WHEEL")
-        ]
-        for name in [*(m for m in want if m in names), *info]:
-            target = tmp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(wheel.read(name))
-    (tmp / ".complete").write_text(json.dumps(want))
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    with _locked(f"wheel-members-{project}-{version}"):
+        have = _members_had(stamp)  # another process may have fetched them meanwhile
+        if set(members) <= set(have):
+            return dest
+        want = sorted(set(have) | set(members))
+        url, _ = _wheel_url(project, version)
+        with zipfile.ZipFile(io.BufferedReader(_RangeFile(url), buffer_size=1 << 16)) as wheel:
+            names = wheel.namelist()
+            info = [
+                n
+                for n in names
+                if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] in ("METADATA", "RECORD", "WHEEL")
+            ]
+            for name in [*(m for m in want if m in names and m not in have), *info]:
+                if not (dest / name).exists():
+                    _write_whole(dest / name, wheel.read(name))
+        _write_whole(stamp, json.dumps(want).encode())
     return dest
+
+
+def _members_had(stamp: Path) -> list[str]:
+    return json.loads(stamp.read_text()) if stamp.exists() else []
 
 
 def member_files(project: str, version: str, members: list[str]) -> dict[str, Path]:
@@ -135,21 +164,28 @@ def wheel_file(project: str, version: str) -> Path:
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            str(folder),
-            f"{project}=={version}",
-        ],
-        check=True,
-    )
+    with _locked(f"wheel-{project}-{version}"):
+        found = sorted(folder.glob(f"{prefix}*.whl"))
+        if found:
+            return found[0]
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as partial:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "-d",
+                    partial,
+                    f"{project}=={version}",
+                ],
+                check=True,
+            )
+            for wheel in Path(partial).glob("*.whl"):
+                os.replace(wheel, folder / wheel.name)
     return sorted(folder.glob(f"{prefix}*.whl"))[0]
 
 
@@ -177,14 +213,19 @@ def sdist_file(project: str, version: str) -> Path:
     if entry is None:
         raise LookupError(f"no sdist {name} on {INDEX}")
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(name + ".partial")
-    digest = hashlib.sha256()
-    with urllib.request.urlopen(entry["url"], timeout=300) as r, open(tmp, "wb") as out:
-        while chunk := r.read(1 << 20):
-            digest.update(chunk)
-            out.write(chunk)
-    if digest.hexdigest() != entry["hashes"]["sha256"]:
-        tmp.unlink()
-        raise OSError(f"{name}: sha256 does not match the index")
-    tmp.rename(dest)
+    with _locked(f"sdist-{project}-{version}"):
+        if dest.exists():
+            return dest
+        digest = hashlib.sha256()
+        with (
+            urllib.request.urlopen(entry["url"], timeout=300) as r,
+            tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", delete=False) as out,
+        ):
+            while chunk := r.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != entry["hashes"]["sha256"]:
+            os.unlink(out.name)
+            raise OSError(f"{name}: sha256 does not match the index")
+        os.replace(out.name, dest)
     return dest

@@ -19,7 +19,7 @@ import tempfile
 import pytest
 import torch
 
-from fp32patch.runtime import nemo_rl
+from fp32patch.runtime.vllm_probe import MARKER
 from fp32patch.runtime.nemo_rl import Fp32LmHeadMismatchError, check_probe_reports, probe_vllm_model
 from tests.heavy.vllm import tiny
 from tests.heavy.vllm.conftest import NEMOTRON, PATCHED_ROOT, free_port
@@ -158,7 +158,7 @@ def test_a_model_family_no_installed_spec_covers(vllm_runtime, var):
     is set, the logits stay bf16 and the check names the unpatched files."""
     from vllm.model_executor.layers import logits_processor
 
-    generic = nemo_rl.MARKER in open(logits_processor.__file__, encoding="utf-8").read()
+    generic = MARKER in open(logits_processor.__file__, encoding="utf-8").read()
     var("1")
     report = probe_vllm_model(_llama(vllm_runtime))
     assert report["model"] == "LlamaForCausalLM" and report["patched"] is generic

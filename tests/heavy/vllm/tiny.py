@@ -87,7 +87,9 @@ class Builder:
         finally:
             torch.set_default_dtype(previous)
         lm_head = head(model, family) if family is not None else model.lm_head
+        force_plain_cpu_gemm()
         lm_head.quant_method.process_weights_after_loading(lm_head)
+        check_plain_cpu_gemm(lm_head)
         with torch.no_grad():
             lm_head.weight.normal_(0.0, 0.5)
         return model
@@ -221,6 +223,63 @@ def family_reference(hidden: torch.Tensor, model, family: Family) -> torch.Tenso
     if family.soft_cap is not None:
         logits = torch.tanh(logits / family.soft_cap) * family.soft_cap
     return logits
+
+
+# ---------------------------------------------------------------- the CPU GEMM a CUDA wheel can run
+
+
+def plain_cpu_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """What vLLM's CPU GEMM dispatch chooses on a CPU without any of its accelerated kernels:
+    torch's own linear for a 2-D weight, kept as loaded; any other weight (a conv or an expert
+    stack) untouched."""
+    if layer.weight.is_meta or layer.weight.ndim == 2:
+        layer.cpu_linear = torch.nn.functional.linear
+
+
+def force_plain_cpu_gemm() -> None:
+    """Make vLLM's CPU platform take the plain GEMM path whatever this CPU offers.
+
+    vLLM picks a layer's CPU kernel when its weights are processed after loading, from what
+    the CPU reports: sgl-kernel's packed AMX GEMM (``amx_tile``), oneDNN, zentorch on AMD
+    Zen. Those kernels are in vLLM's CPU build only; the CUDA wheel that these tests run on
+    the CPU has none of them (``torch.ops._C.convert_weight_packed`` is missing), so on such a
+    CPU every model build would fail. The choice is made in one function,
+    ``dispatch_cpu_unquantized_gemm``, looked up from ``vllm.model_executor.layers.utils``
+    at each call (and held by name in modules of releases that imported it): it is replaced,
+    in this test process only, by the choice a CPU without those kernels makes. The head's
+    GEMM, which the tests measure, is unchanged on such a CPU: torch's linear on the head's
+    own weight. No file changes.
+    """
+    original = stock_cpu_dispatch()
+    if original is None or original is plain_cpu_dispatch:
+        return
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "") or ""
+        if name.startswith("vllm") and getattr(module, "dispatch_cpu_unquantized_gemm", None) is original:
+            module.dispatch_cpu_unquantized_gemm = plain_cpu_dispatch
+
+
+_STOCK_DISPATCH: list = []
+
+
+def stock_cpu_dispatch():
+    """vLLM's own ``dispatch_cpu_unquantized_gemm`` (None in releases without one)."""
+    if not _STOCK_DISPATCH:
+        import vllm.model_executor.layers.utils as utils
+
+        _STOCK_DISPATCH.append(utils.__dict__.get("dispatch_cpu_unquantized_gemm"))
+    return _STOCK_DISPATCH[0]
+
+
+def check_plain_cpu_gemm(layer: torch.nn.Module) -> None:
+    """Refuse a head whose CPU GEMM is not torch's linear on its own weight: a test on it
+    would measure another kernel (or fail inside one the wheel lacks)."""
+    chosen = getattr(layer, "cpu_linear", torch.nn.functional.linear)
+    if chosen is not torch.nn.functional.linear or layer.weight.numel() == 0:
+        raise RuntimeError(
+            f"the test harness did not get vLLM's plain CPU GEMM for {type(layer).__name__}: "
+            f"cpu_linear is {chosen!r}, weight {tuple(layer.weight.shape)}"
+        )
 
 
 def cpu_platform() -> None:
