@@ -19,8 +19,8 @@ import tempfile
 import pytest
 import torch
 
-from fp32patch.runtime.vllm_probe import MARKER
 from fp32patch.runtime.nemo_rl import Fp32LmHeadMismatchError, check_probe_reports, probe_vllm_model
+from fp32patch.runtime.vllm_probe import MARKER
 from tests.heavy.vllm import tiny
 from tests.heavy.vllm.conftest import NEMOTRON, PATCHED_ROOT, free_port
 from tests.heavy.vllm.test_vllm_runtime import GraphWrapperShape, VLShape
