@@ -1,0 +1,773 @@
+"""Train/generation agreement of the LM head, measured the way two real engines diverge.
+
+The agreement part of bench/lm_head.py gives both engines the same hidden states and the
+same GEMM, so bf16 against bf16 is exactly 1 there and any one-sided fp32 head can only look
+worse. Here each side computes its hidden states its own way, as in an RL run:
+
+* generation (vLLM's role): a batch of prompts is prefilled together and then decoded
+  together, one token per sequence per step, with a KV cache, sampling at temperature 1.
+  Each step's head is vLLM's, through the project's runtime
+  (``vllm_lm_head.compute_logits`` on the vLLM-shaped stand-ins of bench/lm_head.py): the
+  stock bf16 logits, or ``fp32out`` (bf16 operands, ``torch.mm(..., out_dtype=float32)``).
+* trainer (NeMo-RL's log-prob pass): one full forward of each prompt + response, in
+  micro-batches of another size, then the trainer's head on those hidden states: the HF
+  model's own bf16 ``lm_head``, or the fp32-output head (``--trainer-head gemm``:
+  ``lm_head_gemm.lm_head_linear(x, w, None, "fp32out")``, the local GEMM of the project's
+  trainer heads; ``--trainer-head hf``: ``hf_lm_head.apply_fp32_lm_head``, the HF head
+  itself, once that module is in the checkout).
+
+Both sides upcast bf16 logits to fp32 for the log-softmax, as both engines do. Every head
+combination is scored on the same sampled tokens (drawn from the generation side's fp32
+logits, so that the four combinations are paired) with NeMo-RL's metrics
+(bench/agreement_metrics.py), per seed; a seed draws other prompts, samples and noise.
+
+The models: a Llama-style model (transformers' ``LlamaForCausalLM``, bf16, sdpa) trained here
+for a few minutes on Python's own standard library with a byte-level BPE tokenizer trained
+here too; and a random-init control of the same shape whose head is scaled so that its mean
+max logit is the trained model's (the bf16 rounding of a logit grows with its size).
+
+The divergence sweep changes the trainer's hidden states only: the generation's own hidden
+states (``shared``: no divergence but the head GEMM's layout), the trainer's forward with
+sdpa (``sdpa``, the natural divergence of decode against full forward), with eager attention
+(``eager``), with an fp32 residual stream (``fp32-residual``: the bf16 weights upcast, run
+under bf16 autocast), and the shared hidden states plus Gaussian noise of a set size
+relative to each row's RMS (``noise 1e-3``, ...), to find where fp32 on one side alone
+turns from better than neither to worse.
+
+    python bench/agreement.py --out bench/agreement-h200.json --plot bench/agreement-h200.png
+    python bench/agreement.py --smoke --out /tmp/agreement.json     # a tiny model on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import lm_head as vllm_side  # noqa: E402  (the vLLM-shaped stand-ins and their ways)
+from bench.agreement_metrics import agreement, crossings, spread  # noqa: E402
+from fp32patch.runtime.lm_head_gemm import lm_head_linear  # noqa: E402
+
+EOS = "<|endoftext|>"
+HEADS = ("bf16", "fp32out")
+# generation head / trainer head
+COMBOS = {
+    "bf16 / bf16": ("bf16", "bf16"),
+    "fp32out / fp32out": ("fp32out", "fp32out"),
+    "fp32out / bf16": ("fp32out", "bf16"),
+    "bf16 / fp32out": ("bf16", "fp32out"),
+}
+NEITHER, BOTH, GEN_ONLY, TRAINER_ONLY = COMBOS
+METRICS = ("token_mult_prob_error", "gen_kl_error", "rms_dlogp", "mean_abs_dlogp")
+FORWARD_VARIANTS = ("sdpa", "eager", "fp32-residual")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    vocab: int = 32768
+    hidden: int = 768
+    layers: int = 12
+    heads: int = 12
+    intermediate: int = 2048
+    corpus_bytes: int = 0  # 0: the whole standard library
+    train_seconds: float = 200.0
+    max_steps: int = 0  # 0: until train_seconds
+    train_batch: int = 32
+    train_seq: int = 512
+    lr: float = 1e-3
+    warmup: int = 100
+    eval_windows: int = 64
+    batch: int = 64  # sequences decoded together
+    prompt: int = 64
+    new_tokens: int = 256
+    micro_batch: int = 8  # sequences per trainer forward
+    seeds: int = 5
+    noise: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)
+
+
+FULL = Setup()
+SMOKE = Setup(
+    vocab=512,
+    hidden=64,
+    layers=2,
+    heads=4,
+    intermediate=128,
+    corpus_bytes=200_000,
+    max_steps=15,
+    train_batch=8,
+    train_seq=64,
+    lr=3e-3,
+    warmup=5,
+    eval_windows=8,
+    batch=4,
+    prompt=12,
+    new_tokens=12,
+    micro_batch=3,
+    seeds=2,
+    noise=(1e-3, 1e-2, 1e-1),
+)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- corpus and tokenizer
+
+
+def stdlib_files(limit_bytes: int = 0) -> list[Path]:
+    """The standard library's ``*.py`` files (no site-packages), in a fixed order that mixes
+    packages (by a hash of the path); at most ``limit_bytes`` of them when set."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    found.sort(key=lambda p: zlib.crc32(str(p.relative_to(root)).encode()))
+    if not limit_bytes:
+        return found
+    picked, size = [], 0
+    for path in found:
+        if size >= limit_bytes:
+            break
+        picked.append(path)
+        size += path.stat().st_size
+    return picked
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    # a few test files are deliberately not UTF-8
+    return [path.read_bytes().decode("utf-8", errors="replace") for path in files]
+
+
+def train_tokenizer(texts: list[str], vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one stream of ids, each followed by the end-of-text token."""
+    eos = tokenizer.token_to_id(EOS)
+    ids: list[int] = []
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster
+    for encoding in encode(texts):
+        ids += encoding.ids
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+# ---------------------------------------------------------------- the model
+
+
+def llama(setup: Setup, vocab: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=setup.hidden,
+        intermediate_size=setup.intermediate,
+        num_hidden_layers=setup.layers,
+        num_attention_heads=setup.heads,
+        num_key_value_heads=setup.heads,
+        max_position_embeddings=max(setup.train_seq, setup.prompt + setup.new_tokens),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def train(model, stream: torch.Tensor, setup: Setup, device: torch.device) -> dict:
+    """Next-token training with fp32 master weights under bf16 autocast, AdamW, warm-up then
+    cosine decay to a tenth over the time (or step) budget."""
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    gen = torch.Generator().manual_seed(0)
+    curve: list[tuple[int, float, float]] = []
+    pending: list[torch.Tensor] = []
+    start = time.perf_counter()
+    step = 0
+    while True:
+        elapsed = time.perf_counter() - start
+        done = step / setup.max_steps if setup.max_steps else elapsed / setup.train_seconds
+        if done >= 1:
+            break
+        lr = setup.lr * min(1.0, (step + 1) / setup.warmup) * (0.55 + 0.45 * math.cos(math.pi * done))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = windows(stream, setup.train_batch, setup.train_seq + 1, gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        pending.append(loss.detach())
+        step += 1
+        if step % 10 == 0 or step == setup.max_steps:
+            value = torch.stack(pending).mean().item()  # also the sync that keeps the clock honest
+            pending.clear()
+            curve.append((step, round(time.perf_counter() - start, 2), value))
+            if step % 200 == 0:
+                log(f"  step {step}: loss {value:.3f}, lr {lr:.2e}")
+    seconds = time.perf_counter() - start
+    model.eval()
+    return {
+        "steps": step,
+        "seconds": round(seconds, 1),
+        "tokens": step * setup.train_batch * setup.train_seq,
+        "tokens_per_second": round(step * setup.train_batch * setup.train_seq / seconds),
+        "loss_first": curve[0][2] if curve else None,
+        "loss_last": curve[-1][2] if curve else None,
+        "curve": curve,
+    }
+
+
+@torch.no_grad()
+def distribution(model, stream: torch.Tensor, setup: Setup, device: torch.device) -> dict:
+    """Held-out next-token loss, mean entropy and mean max logit of the bf16 model."""
+    batch = windows(
+        stream, setup.eval_windows, min(setup.train_seq, stream.numel() // 2) + 1, torch.Generator().manual_seed(1)
+    )
+    losses, entropies, maxima = [], [], []
+    for rows in batch.to(device).split(8):
+        logits = model(input_ids=rows[:, :-1]).logits.float().flatten(0, 1)
+        logp = torch.log_softmax(logits, -1)
+        losses.append(torch.nn.functional.nll_loss(logp, rows[:, 1:].flatten(), reduction="none"))
+        entropies.append(-(logp.exp() * logp).sum(-1))
+        maxima.append(logits.max(-1).values)
+    return {
+        "heldout_loss": torch.cat(losses).mean().item(),
+        "mean_entropy": torch.cat(entropies).mean().item(),
+        "mean_max_logit": torch.cat(maxima).mean().item(),
+    }
+
+
+# ---------------------------------------------------------------- the two engines
+
+
+def _gemm_fp32_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight = model.lm_head.weight
+    return lambda h: lm_head_linear(h, weight, None, "fp32out")
+
+
+def _hf_fp32_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        from fp32patch.runtime import hf_lm_head
+    except ImportError as exc:
+        raise SystemExit(f"agreement.py: --trainer-head hf needs fp32patch.runtime.hf_lm_head ({exc})") from None
+    patched = copy.deepcopy(model)  # the stock head stays stock on the model itself
+    hf_lm_head.apply_fp32_lm_head(patched, "fp32out")
+    return patched.get_output_embeddings()
+
+
+TRAINER_FP32_HEADS = {"gemm": _gemm_fp32_head, "hf": _hf_fp32_head}
+
+
+def trainer_heads(model, fp32_head: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The trainer's heads on ``model``'s weight, each giving fp32 logits for the log-softmax:
+    the HF model's stock bf16 head (bf16 logits, upcast) and the fp32-output one."""
+    return {"bf16": lambda h: model.lm_head(h).float(), "fp32out": TRAINER_FP32_HEADS[fp32_head](model)}
+
+
+@dataclasses.dataclass
+class Rollout:
+    sequences: torch.Tensor  # [B, P + G]: prompts and sampled tokens
+    hidden: torch.Tensor  # [B, G, H]: the generation's hidden states that predicted them
+    logp: dict[str, torch.Tensor]  # generation head -> [B, G]
+    mean_entropy: float
+    mean_max_logit: float
+
+
+def _token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts: torch.Tensor, new_tokens: int, seed: int) -> Rollout:
+    """Prefill the prompts together, then decode them together with a KV cache, sampling
+    each token at temperature 1 from the fp32 logits; both heads scored at every step."""
+    stand_in = vllm_side.Model(model.lm_head.weight.detach())
+    sampler = torch.Generator(device=prompts.device).manual_seed(seed)
+    out = model.model(input_ids=prompts, use_cache=True)
+    cache, h = out.past_key_values, out.last_hidden_state[:, -1]
+    tokens, hidden, logp = [], [], {way: [] for way in HEADS}
+    entropy = max_logit = 0.0
+    for step in range(new_tokens):
+        logits = {way: vllm_side.infer(way, stand_in, h).float() for way in HEADS}
+        sampled = torch.multinomial(torch.softmax(logits["fp32out"], dim=-1), 1, generator=sampler).squeeze(1)
+        for way in HEADS:
+            logp[way].append(_token_logp(logits[way], sampled))
+        full = torch.log_softmax(logits["fp32out"], dim=-1)
+        entropy += -(full.exp() * full).sum(-1).mean().item()
+        max_logit += logits["fp32out"].max(-1).values.mean().item()
+        tokens.append(sampled)
+        hidden.append(h)
+        if step + 1 < new_tokens:
+            out = model.model(input_ids=sampled[:, None], past_key_values=cache, use_cache=True)
+            h = out.last_hidden_state[:, -1]
+    return Rollout(
+        sequences=torch.cat([prompts, torch.stack(tokens, 1)], 1),
+        hidden=torch.stack(hidden, 1),
+        logp={way: torch.stack(values, 1) for way, values in logp.items()},
+        mean_entropy=entropy / new_tokens,
+        mean_max_logit=max_logit / new_tokens,
+    )
+
+
+@torch.no_grad()
+def trainer_hidden(
+    model, sequences: torch.Tensor, prompt: int, micro_batch: int, autocast: bool = False
+) -> torch.Tensor:
+    """The trainer's final hidden states at the positions that predict the generated tokens:
+    one full forward per micro-batch of sequences, as a log-prob pass runs it."""
+    parts = []
+    for rows in sequences.split(micro_batch):
+        with torch.autocast(sequences.device.type, dtype=torch.bfloat16, enabled=autocast):
+            h = model.model(input_ids=rows, use_cache=False).last_hidden_state
+        parts.append(h[:, prompt - 1 : -1].to(torch.bfloat16))
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def trainer_logp(heads: dict, hidden: torch.Tensor, targets: torch.Tensor, micro_batch: int) -> dict[str, torch.Tensor]:
+    """log p of ``targets`` [B, G] by each trainer head on ``hidden`` [B, G, H], the head run on
+    one micro-batch of sequences at a time."""
+    out = {}
+    for way, head in heads.items():
+        parts = []
+        for h, t in zip(hidden.split(micro_batch), targets.split(micro_batch), strict=True):
+            logits = head(h.reshape(-1, h.shape[-1]))
+            parts.append(_token_logp(logits, t.reshape(-1)).reshape(t.shape))
+        out[way] = torch.cat(parts)
+    return out
+
+
+def perturbed(hidden: torch.Tensor, eps: float, seed: int) -> torch.Tensor:
+    """``hidden`` plus Gaussian noise of ``eps`` times each row's RMS, rounded back to bf16."""
+    gen = torch.Generator(device=hidden.device).manual_seed(seed)
+    h = hidden.float()
+    noise = torch.randn(h.shape, generator=gen, device=h.device, dtype=h.dtype)
+    return (h + eps * h.pow(2).mean(-1, keepdim=True).sqrt() * noise).to(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def attention(model, implementation: str):
+    before = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+# ---------------------------------------------------------------- one model, every variant
+
+
+def noise_name(eps: float) -> str:
+    return f"noise {eps:g}"
+
+
+def score(rollout: Rollout, train_logp: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict:
+    rel = (hidden.float() - rollout.hidden.float()).pow(2).mean().sqrt() / rollout.hidden.float().pow(2).mean().sqrt()
+    return {
+        "hidden_rel_rms": rel.item(),
+        "combos": {
+            name: agreement(train_logp[train_way], rollout.logp[gen_way])
+            for name, (gen_way, train_way) in COMBOS.items()
+        },
+    }
+
+
+def measure_seed(engine, resid32, heldout: torch.Tensor, setup: Setup, seed: int, fp32_head: str) -> dict:
+    device = engine.lm_head.weight.device
+    gen = torch.Generator().manual_seed(1000 + seed)
+    prompts = windows(heldout, setup.batch, setup.prompt, gen).to(device)
+    rollout = generate(engine, prompts, setup.new_tokens, seed)
+    targets = rollout.sequences[:, setup.prompt :]
+    heads = trainer_heads(engine, fp32_head)
+    hidden = {"shared": rollout.hidden}
+    hidden["sdpa"] = trainer_hidden(engine, rollout.sequences, setup.prompt, setup.micro_batch)
+    with attention(engine, "eager"):
+        hidden["eager"] = trainer_hidden(engine, rollout.sequences, setup.prompt, setup.micro_batch)
+    hidden["fp32-residual"] = trainer_hidden(resid32, rollout.sequences, setup.prompt, setup.micro_batch, autocast=True)
+    for eps in setup.noise:
+        hidden[noise_name(eps)] = perturbed(rollout.hidden, eps, seed)
+    variants = {}
+    for name, h in hidden.items():
+        variants[name] = score(rollout, trainer_logp(heads, h, targets, setup.micro_batch), h)
+    return {
+        "seed": seed,
+        "tokens": targets.numel(),
+        "gen_mean_entropy": rollout.mean_entropy,
+        "gen_mean_max_logit": rollout.mean_max_logit,
+        "variants": variants,
+    }
+
+
+def one_sided_margin(combos: dict) -> float:
+    """How much worse (positive) fp32 on one side alone is than bf16 on both, in
+    token_mult_prob_error: the mean of the two one-sided combinations, minus neither."""
+    one = (combos[GEN_ONLY]["token_mult_prob_error"] + combos[TRAINER_ONLY]["token_mult_prob_error"]) / 2
+    return one - combos[NEITHER]["token_mult_prob_error"]
+
+
+def summarise(per_seed: list[dict], setup: Setup) -> dict:
+    """Per variant: each combo's metrics over the seeds, and how much worse (positive) or
+    better each one-sided combo is than neither, seed by seed (the combos share the tokens,
+    so the margins are paired); then the flip along the noise sweep."""
+    variants = {}
+    for name in per_seed[0]["variants"]:
+        rows = [seed["variants"][name] for seed in per_seed]
+        combos = {
+            combo: {metric: spread([row["combos"][combo][metric] for row in rows]) for metric in METRICS}
+            for combo in COMBOS
+        }
+        margins = {"one_sided_minus_neither": spread([one_sided_margin(row["combos"]) for row in rows])}
+        for label, combo in (("generation_only", GEN_ONLY), ("trainer_only", TRAINER_ONLY)):
+            for metric in ("token_mult_prob_error", "rms_dlogp"):
+                margins[f"{label}_minus_neither_{metric}"] = spread(
+                    [row["combos"][combo][metric] - row["combos"][NEITHER][metric] for row in rows]
+                )
+        variants[name] = {
+            "hidden_rel_rms": spread([row["hidden_rel_rms"] for row in rows]),
+            "divergence_rms_dlogp": combos[BOTH]["rms_dlogp"]["mean"],
+            "combos": combos,
+            "margins": margins,
+        }
+    shared = variants["shared"]["combos"]
+    # what one bf16 head alone adds, with no divergence to hide it
+    rounding = (shared[GEN_ONLY]["rms_dlogp"]["mean"] + shared[TRAINER_ONLY]["rms_dlogp"]["mean"]) / 2
+    sweep = ["shared", *(noise_name(eps) for eps in setup.noise)]
+    points = []
+    for name in sweep:
+        m = variants[name]["margins"]["one_sided_minus_neither"]
+        points.append((variants[name]["divergence_rms_dlogp"], m["mean"], m["se"]))
+    flips = crossings(points)
+    for flip in flips:
+        flip["x_over_rounding"] = flip["x"] / rounding
+    verdicts = {}
+    for name in ("shared", *FORWARD_VARIANTS):
+        m = variants[name]["margins"]["one_sided_minus_neither"]
+        verdicts[name] = {
+            "divergence_rms_dlogp": variants[name]["divergence_rms_dlogp"],
+            "divergence_over_rounding": variants[name]["divergence_rms_dlogp"] / rounding,
+            "one_sided_minus_neither": m,
+            "one_sided": "worse than neither" if m["mean"] > 0 else "better than neither",
+            "clear": abs(m["mean"]) > 2 * m["se"],
+        }
+    return {
+        "variants": variants,
+        "rounding_rms_dlogp": rounding,
+        "flip": {
+            "metric": "token_mult_prob_error: mean of the two one-sided combos minus neither",
+            "x": "divergence_rms_dlogp: RMS of delta log p with fp32out on both sides",
+            "sweep": sweep,
+            "crossings": flips,
+        },
+        "verdicts": verdicts,
+    }
+
+
+def measure_model(label: str, engine, heldout: torch.Tensor, setup: Setup, fp32_head: str) -> dict:
+    resid32 = copy.deepcopy(engine).float()  # the bf16 weights, upcast: only the residual stream changes
+    per_seed = []
+    for seed in range(setup.seeds):
+        start = time.perf_counter()
+        per_seed.append(measure_seed(engine, resid32, heldout, setup, seed, fp32_head))
+        log(f"  {label} seed {seed}: {time.perf_counter() - start:.1f} s")
+    del resid32
+    return {"per_seed": per_seed, **summarise(per_seed, setup)}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def machine(device: torch.device) -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device.type,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    with contextlib.suppress(ImportError):
+        import tokenizers
+        import transformers
+
+        info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_mib=props.total_memory // 2**20, cuda=torch.version.cuda)
+    return info
+
+
+def run(setup: Setup, device: torch.device, fp32_head: str, out: Path) -> dict:
+    phases: dict[str, float] = {}
+    results: dict = {"machine": machine(device), "setup": dataclasses.asdict(setup), "trainer_fp32_head": fp32_head}
+    results["command"] = "python bench/agreement.py " + " ".join(sys.argv[1:])
+    results["phases_s"] = phases
+    results["models"] = {}
+
+    start = time.perf_counter()
+    files = stdlib_files(setup.corpus_bytes)
+    heldout_files, train_files = files[::50], [f for i, f in enumerate(files) if i % 50]
+    train_texts, heldout_texts = read_texts(train_files), read_texts(heldout_files)
+    tokenizer = train_tokenizer(train_texts, setup.vocab)
+    stream, heldout = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
+    vocab = tokenizer.get_vocab_size()
+    phases["tokenizer"] = round(time.perf_counter() - start, 1)
+    results["corpus"] = {
+        "root": sysconfig.get_paths()["stdlib"],
+        "files": len(train_files),
+        "heldout_files": len(heldout_files),
+        "bytes": sum(len(t) for t in train_texts),
+        "train_tokens": stream.numel(),
+        "heldout_tokens": heldout.numel(),
+        "vocab": vocab,
+    }
+    log(f"corpus: {results['corpus']} ({phases['tokenizer']} s)")
+
+    start = time.perf_counter()
+    model = llama(setup, vocab, seed=0).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"training a {params / 1e6:.1f}M-parameter model")
+    training = train(model, stream, setup, device)
+    engine = model.to(torch.bfloat16)
+    phases["training"] = round(time.perf_counter() - start, 1)
+    trained = {"params": params, "training": training, "distribution": distribution(engine, heldout, setup, device)}
+    log(f"trained: {training['steps']} steps, loss {training['loss_last']:.3f}; {trained['distribution']}")
+
+    start = time.perf_counter()
+    trained.update(measure_model("trained", engine, heldout, setup, fp32_head))
+    phases["measure_trained"] = round(time.perf_counter() - start, 1)
+    results["models"]["trained"] = trained
+    write(results, out)
+    target = trained["distribution"]["mean_max_logit"]
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    start = time.perf_counter()
+    control = llama(setup, vocab, seed=1).to(device, torch.bfloat16).eval()
+    before = distribution(control, heldout, setup, device)["mean_max_logit"]
+    with torch.no_grad():
+        control.lm_head.weight.mul_(target / before)
+    ctl = {
+        "params": params,
+        "head_scale": target / before,
+        "distribution": distribution(control, heldout, setup, device),
+    }
+    ctl.update(measure_model("control", control, heldout, setup, fp32_head))
+    phases["measure_control"] = round(time.perf_counter() - start, 1)
+    results["models"]["control"] = ctl
+    write(results, out)
+    return results
+
+
+def write(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def report(results: dict) -> str:
+    lines = []
+    for label, model in results["models"].items():
+        d = model["distribution"]
+        lines.append(
+            f"\n{label}: held-out loss {d['heldout_loss']:.3f}, entropy {d['mean_entropy']:.3f}, "
+            f"mean max logit {d['mean_max_logit']:.2f}; bf16 rounding (one side, shared) RMS {model['rounding_rms_dlogp']:.2e}"
+        )
+        lines.append(
+            f"  {'trainer hidden states':<22} {'RMS div':>9} {'rel h':>8}  "
+            + "  ".join(f"{c:>17}" for c in COMBOS)
+            + "   one-sided - neither (mean ± std over seeds)"
+        )
+        for name, v in model["variants"].items():
+            tm = {c: v["combos"][c]["token_mult_prob_error"]["mean"] for c in COMBOS}
+            m = v["margins"]["one_sided_minus_neither"]
+            lines.append(
+                f"  {name:<22} {v['divergence_rms_dlogp']:>9.2e} {v['hidden_rel_rms']['mean']:>8.1e}  "
+                + "  ".join(f"{tm[c]:>17.6f}" for c in COMBOS)
+                + f"   {m['mean']:+.2e} ± {m['std']:.1e}"
+            )
+        for flip in model["flip"]["crossings"]:
+            lines.append(
+                f"  flip ({flip['direction']}{', clear' if flip['clear'] else ', within the seeds spread'}): "
+                f"at RMS divergence {flip['x']:.2e} ({flip['x_over_rounding']:.2f} x the one-sided rounding)"
+            )
+        if not model["flip"]["crossings"]:
+            lines.append("  no flip along the noise sweep")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = results["models"]
+    fig, axes = plt.subplots(1, len(models) + 1, figsize=(6 * (len(models) + 1), 4.6), squeeze=False)
+    styles = {
+        NEITHER: ("k", "o"),
+        BOTH: ("tab:green", "s"),
+        GEN_ONLY: ("tab:red", "^"),
+        TRAINER_ONLY: ("tab:orange", "v"),
+    }
+    for ax, (label, model) in zip(axes[0], models.items(), strict=False):
+        sweep = model["flip"]["sweep"]
+        xs = [model["variants"][name]["divergence_rms_dlogp"] for name in sweep]
+        floor = min(x for x in xs if x > 0) / 3 if any(x > 0 for x in xs) else 1e-6
+        for combo, (color, marker) in styles.items():
+            ys = [model["variants"][name]["combos"][combo]["token_mult_prob_error"]["mean"] - 1 for name in sweep]
+            ax.plot([max(x, floor) for x in xs], ys, color=color, marker=marker, label=f"{combo} (gen / trainer)")
+        for name in FORWARD_VARIANTS:
+            v = model["variants"][name]
+            for combo, (color, marker) in styles.items():
+                ax.scatter(
+                    v["divergence_rms_dlogp"],
+                    v["combos"][combo]["token_mult_prob_error"]["mean"] - 1,
+                    color=color,
+                    marker=marker,
+                    s=90,
+                    facecolors="none",
+                )
+            ax.annotate(
+                name, (v["divergence_rms_dlogp"], v["combos"][NEITHER]["token_mult_prob_error"]["mean"] - 1), fontsize=8
+            )
+        for flip in model["flip"]["crossings"]:
+            ax.axvline(flip["x"], color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        d = model["distribution"]
+        ax.set_title(f"{label}: max logit {d['mean_max_logit']:.1f}, entropy {d['mean_entropy']:.2f}")
+        ax.set_xlabel("hidden-state divergence: RMS Δ log p, fp32out on both sides")
+        ax.set_ylabel("token_mult_prob_error - 1")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    ax = axes[0][-1]
+    for (label, model), color in zip(models.items(), ("tab:blue", "tab:purple"), strict=False):
+        r = model["rounding_rms_dlogp"]
+        names = [*model["flip"]["sweep"], *FORWARD_VARIANTS]
+        pts = []
+        for name in names:
+            v = model["variants"][name]
+            neither = v["combos"][NEITHER]["token_mult_prob_error"]["mean"] - 1
+            one = (
+                v["combos"][GEN_ONLY]["token_mult_prob_error"]["mean"]
+                + v["combos"][TRAINER_ONLY]["token_mult_prob_error"]["mean"]
+            ) / 2 - 1
+            if v["divergence_rms_dlogp"] > 0 and neither > 0:
+                pts.append((v["divergence_rms_dlogp"] / r, one / neither, name))
+        sweep_pts = sorted(p for p in pts if p[2] not in FORWARD_VARIANTS)
+        ax.plot(
+            [p[0] for p in sweep_pts], [p[1] for p in sweep_pts], color=color, marker="o", label=f"{label}: noise sweep"
+        )
+        for x, y, name in pts:
+            if name in FORWARD_VARIANTS:
+                ax.scatter(x, y, color=color, marker="*", s=140)
+                ax.annotate(f"{label} {name}", (x, y), fontsize=7)
+    ax.axhline(1, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("divergence / one-sided bf16 rounding (RMS Δ log p)")
+    ax.set_ylabel("(one-sided - 1) / (neither - 1), token_mult_prob_error")
+    ax.set_title("above 1: one side alone is worse than neither")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"train/generation agreement on {results['machine'].get('gpu', results['machine']['device'])}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where the results JSON goes")
+    parser.add_argument("--plot", type=Path, help="where the plot (PNG) goes")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, on the CPU unless --device says otherwise")
+    parser.add_argument("--device", help="cuda (default) or cpu (default with --smoke)")
+    parser.add_argument("--train-seconds", type=float, help="training time of the real model (default 200)")
+    parser.add_argument("--seeds", type=int, help="seeds per model (default 5; smoke 2)")
+    parser.add_argument(
+        "--trainer-head",
+        choices=sorted(TRAINER_FP32_HEADS),
+        default="gemm",
+        help="the trainer's fp32 head: the project's GEMM (lm_head_linear) or the HF head (hf_lm_head)",
+    )
+    args = parser.parse_args(argv)
+    if args.seeds is not None and args.seeds < 2:
+        parser.error(f"--seeds {args.seeds}: at least 2, for a spread")
+    if args.train_seconds is not None and args.train_seconds <= 0:
+        parser.error(f"--train-seconds {args.train_seconds}: must be positive")
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: cpu or cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: this benchmark runs on a GPU (use --smoke for the CPU check)")
+    if args.out.is_dir():
+        parser.error(f"--out {args.out} is a folder; name the JSON file")
+    try:
+        import tokenizers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        parser.error(f"needs transformers and tokenizers ({exc}); pip install transformers")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    setup = SMOKE if args.smoke else FULL
+    overrides = {}
+    if args.train_seconds is not None:
+        overrides.update(train_seconds=args.train_seconds, max_steps=0)
+    if args.seeds is not None:
+        overrides["seeds"] = args.seeds
+    setup = dataclasses.replace(setup, **overrides)
+    results = run(setup, torch.device(args.device), args.trainer_head, args.out)
+    print(report(results))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
