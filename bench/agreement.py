@@ -36,6 +36,7 @@ turns from better than neither to worse.
 
     python bench/agreement.py --out bench/agreement-h200.json --plot bench/agreement-h200.png
     python bench/agreement.py --smoke --out /tmp/agreement.json     # a tiny model on the CPU
+    python bench/agreement.py --from-json bench/agreement-h200.json --plot bench/agreement-h200.png
 """
 
 from __future__ import annotations
@@ -721,8 +722,11 @@ def plot(results: dict, path: Path) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="where the results JSON goes")
+    parser.add_argument("--out", type=Path, help="where the results JSON goes")
     parser.add_argument("--plot", type=Path, help="where the plot (PNG) goes")
+    parser.add_argument(
+        "--from-json", type=Path, help="measure nothing: print the table and draw the plot of an earlier run's JSON"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny model, on the CPU unless --device says otherwise")
     parser.add_argument("--device", help="cuda (default) or cpu (default with --smoke)")
     parser.add_argument("--train-seconds", type=float, help="training time of the real model (default 200)")
@@ -734,6 +738,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the trainer's fp32 head: the project's GEMM (lm_head_linear) or the HF head (hf_lm_head)",
     )
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        if not args.from_json.is_file():
+            parser.error(f"--from-json {args.from_json}: no such file")
+        try:
+            args.results = json.loads(args.from_json.read_text())
+            report(args.results)
+        except (ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--from-json {args.from_json}: not this benchmark's results ({type(exc).__name__}: {exc})")
+        return args
+    if args.out is None:
+        parser.error("--out is required (where the results JSON goes)")
     if args.seeds is not None and args.seeds < 2:
         parser.error(f"--seeds {args.seeds}: at least 2, for a spread")
     if args.train_seconds is not None and args.train_seconds <= 0:
@@ -755,6 +770,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.from_json is not None:
+        print(report(args.results))
+        if args.plot:
+            plot(args.results, args.plot)
+        return 0
     setup = SMOKE if args.smoke else FULL
     overrides = {}
     if args.train_seconds is not None:

@@ -103,6 +103,11 @@ def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str], monkeypatch: 
         agreement.main(["--smoke", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "is a folder; name the JSON file" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"models": {"x": {}}}')
+    with pytest.raises(SystemExit) as exc:
+        agreement.main(["--from-json", str(tmp_path / "other.json")])
+    assert exc.value.code == 2
+    assert "not this benchmark's results" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the smoke run needs transformers and tokenizers")
@@ -141,6 +146,11 @@ def test_smoke_run_scores_every_combination_on_both_models(tmp_path, capsys: pyt
         assert model["rounding_rms_dlogp"] > 0
         assert set(model["verdicts"]) == {"shared", "sdpa", "eager", "fp32-residual"}
         assert model["verdicts"]["shared"]["one_sided"] == "worse than neither"
+    # the table is drawn again from the JSON alone
+    assert agreement.main(["--from-json", str(out)]) == 0
+    again = capsys.readouterr().out.strip()
+    assert "no flip along the noise sweep" in again or "flip (" in again
+    assert again in printed
     control = results["models"]["control"]
     # the control's head is scaled to the trained model's mean max logit
     assert control["distribution"]["mean_max_logit"] == pytest.approx(
