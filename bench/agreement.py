@@ -23,8 +23,9 @@ logits, so that the four combinations are paired) with NeMo-RL's metrics
 
 The models: a Llama-style model (transformers' ``LlamaForCausalLM``, bf16, sdpa) trained here
 for a few minutes on Python's own standard library with a byte-level BPE tokenizer trained
-here too; and a random-init control of the same shape whose head is scaled so that its mean
-max logit is the trained model's (the bf16 rounding of a logit grows with its size).
+here too; the same model with its head doubled (its logits as large as real models', 15-30;
+bf16's rounding of a logit grows with its size); and a random-init control of the same shape
+whose head is scaled so that its mean max logit is the trained model's.
 
 The divergence sweep changes the trainer's hidden states only: the generation's own hidden
 states (``shared``: no divergence but the head GEMM's layout), the trainer's forward with
@@ -77,6 +78,7 @@ COMBOS = {
 NEITHER, BOTH, GEN_ONLY, TRAINER_ONLY = COMBOS
 METRICS = ("token_mult_prob_error", "gen_kl_error", "rms_dlogp", "mean_abs_dlogp")
 FORWARD_VARIANTS = ("sdpa", "eager", "fp32-residual")
+SHARP = "trained, head x2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Setup:
     heads: int = 12
     intermediate: int = 2048
     corpus_bytes: int = 0  # 0: the whole standard library
-    train_seconds: float = 200.0
+    train_seconds: float = 180.0
     max_steps: int = 0  # 0: until train_seconds
     train_batch: int = 32
     train_seq: int = 512
@@ -110,8 +112,8 @@ SMOKE = Setup(
     heads=4,
     intermediate=128,
     corpus_bytes=200_000,
-    max_steps=15,
-    train_batch=8,
+    max_steps=8,
+    train_batch=4,
     train_seq=64,
     lr=3e-3,
     warmup=5,
@@ -448,6 +450,22 @@ def one_sided_margin(combos: dict) -> float:
     return one - combos[NEITHER]["token_mult_prob_error"]
 
 
+def _excess_ratio(a: dict, b: dict) -> float | None:
+    """(a - 1) / (b - 1) of two combos' mean token_mult_prob_error; None where b is exactly 1."""
+    excess = b["token_mult_prob_error"]["mean"] - 1
+    return (a["token_mult_prob_error"]["mean"] - 1) / excess if excess > 0 else None
+
+
+def _at_crossing(flip: dict, by_x: dict[float, dict]) -> float | None:
+    """neither_over_both interpolated to a crossing, as its x was (in log x, or in x from 0)."""
+    (x0, x1), x = flip["between"], flip["x"]
+    r0, r1 = by_x[x0]["neither_over_both"], by_x[x1]["neither_over_both"]
+    if r0 is None or r1 is None:
+        return r1 if r0 is None else r0
+    t = math.log(x / x0) / math.log(x1 / x0) if x0 > 0 else (x - x0) / (x1 - x0)
+    return r0 + t * (r1 - r0)
+
+
 def summarise(per_seed: list[dict], setup: Setup) -> dict:
     """Per variant: each combo's metrics over the seeds, and how much worse (positive) or
     better each one-sided combo is than neither, seed by seed (the combos share the tokens,
@@ -468,6 +486,9 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
         variants[name] = {
             "hidden_rel_rms": spread([row["hidden_rel_rms"] for row in rows]),
             "divergence_rms_dlogp": combos[BOTH]["rms_dlogp"]["mean"],
+            # what an operator can read off two runs: how much of neither's error the fp32
+            # head on both sides takes away
+            "neither_over_both": _excess_ratio(combos[NEITHER], combos[BOTH]),
             "combos": combos,
             "margins": margins,
         }
@@ -482,6 +503,9 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
     flips = crossings(points)
     for flip in flips:
         flip["x_over_rounding"] = flip["x"] / rounding
+        flip["neither_over_both"] = _at_crossing(
+            flip, {variants[n]["divergence_rms_dlogp"]: variants[n] for n in sweep}
+        )
     verdicts = {}
     for name in ("shared", *FORWARD_VARIANTS):
         m = variants[name]["margins"]["one_sided_minus_neither"]
@@ -493,6 +517,10 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
             "clear": abs(m["mean"]) > 2 * m["se"],
         }
     return {
+        "generated": {
+            "gen_mean_entropy": spread([seed["gen_mean_entropy"] for seed in per_seed]),
+            "gen_mean_max_logit": spread([seed["gen_mean_max_logit"] for seed in per_seed]),
+        },
         "variants": variants,
         "rounding_rms_dlogp": rounding,
         "flip": {
@@ -579,6 +607,18 @@ def run(setup: Setup, device: torch.device, fp32_head: str, out: Path) -> dict:
     results["models"]["trained"] = trained
     write(results, out)
     target = trained["distribution"]["mean_max_logit"]
+
+    # The same model with its logits doubled (sampling temperature 1/2): the hidden states
+    # and their divergence are the trained model's, the logits as large as real models'
+    # (15-30), where bf16's rounding of them is twice as coarse.
+    start = time.perf_counter()
+    with torch.no_grad():
+        engine.lm_head.weight.mul_(2)
+    sharp = {"params": params, "head_scale": 2.0, "distribution": distribution(engine, heldout, setup, device)}
+    sharp.update(measure_model(SHARP, engine, heldout, setup, fp32_head))
+    phases["measure_trained_x2"] = round(time.perf_counter() - start, 1)
+    results["models"][SHARP] = sharp
+    write(results, out)
     del engine, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -600,9 +640,23 @@ def run(setup: Setup, device: torch.device, fp32_head: str, out: Path) -> dict:
     return results
 
 
+def resummarise(results: dict) -> dict:
+    """An earlier run's results with every summary derived again from its per-seed numbers."""
+    known = {f.name for f in dataclasses.fields(Setup)}
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in results["setup"].items() if k in known}
+    setup = dataclasses.replace(FULL, **saved)
+    for model in results["models"].values():
+        model.update(summarise(model["per_seed"], setup))
+    return results
+
+
 def write(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def report(results: dict) -> str:
@@ -611,12 +665,14 @@ def report(results: dict) -> str:
         d = model["distribution"]
         lines.append(
             f"\n{label}: held-out loss {d['heldout_loss']:.3f}, entropy {d['mean_entropy']:.3f}, "
-            f"mean max logit {d['mean_max_logit']:.2f}; bf16 rounding (one side, shared) RMS {model['rounding_rms_dlogp']:.2e}"
+            f"mean max logit {d['mean_max_logit']:.2f}; on its samples: entropy "
+            f"{model['generated']['gen_mean_entropy']['mean']:.3f}, max logit {model['generated']['gen_mean_max_logit']['mean']:.2f}; "
+            f"bf16 rounding (one side, shared) RMS {model['rounding_rms_dlogp']:.2e}"
         )
         lines.append(
             f"  {'trainer hidden states':<22} {'RMS div':>9} {'rel h':>8}  "
             + "  ".join(f"{c:>17}" for c in COMBOS)
-            + "   one-sided - neither (mean ± std over seeds)"
+            + "   neither/both   one-sided - neither (mean ± std over seeds)"
         )
         for name, v in model["variants"].items():
             tm = {c: v["combos"][c]["token_mult_prob_error"]["mean"] for c in COMBOS}
@@ -624,12 +680,13 @@ def report(results: dict) -> str:
             lines.append(
                 f"  {name:<22} {v['divergence_rms_dlogp']:>9.2e} {v['hidden_rel_rms']['mean']:>8.1e}  "
                 + "  ".join(f"{tm[c]:>17.6f}" for c in COMBOS)
-                + f"   {m['mean']:+.2e} ± {m['std']:.1e}"
+                + f"   {_fmt(v['neither_over_both']):>12}   {m['mean']:+.2e} ± {m['std']:.1e}"
             )
         for flip in model["flip"]["crossings"]:
             lines.append(
                 f"  flip ({flip['direction']}{', clear' if flip['clear'] else ', within the seeds spread'}): "
-                f"at RMS divergence {flip['x']:.2e} ({flip['x_over_rounding']:.2f} x the one-sided rounding)"
+                f"at RMS divergence {flip['x']:.2e} ({flip['x_over_rounding']:.2f} x the one-sided rounding; "
+                f"there (neither - 1) / (both - 1) = {_fmt(flip['neither_over_both'])})"
             )
         if not model["flip"]["crossings"]:
             lines.append("  no flip along the noise sweep")
@@ -685,33 +742,36 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     ax = axes[0][-1]
-    for (label, model), color in zip(models.items(), ("tab:blue", "tab:purple"), strict=False):
+    for (label, model), color in zip(models.items(), ("tab:blue", "tab:cyan", "tab:purple"), strict=False):
         r = model["rounding_rms_dlogp"]
-        names = [*model["flip"]["sweep"], *FORWARD_VARIANTS]
-        pts = []
-        for name in names:
-            v = model["variants"][name]
-            neither = v["combos"][NEITHER]["token_mult_prob_error"]["mean"] - 1
-            one = (
-                v["combos"][GEN_ONLY]["token_mult_prob_error"]["mean"]
-                + v["combos"][TRAINER_ONLY]["token_mult_prob_error"]["mean"]
-            ) / 2 - 1
-            if v["divergence_rms_dlogp"] > 0 and neither > 0:
-                pts.append((v["divergence_rms_dlogp"] / r, one / neither, name))
-        sweep_pts = sorted(p for p in pts if p[2] not in FORWARD_VARIANTS)
-        ax.plot(
-            [p[0] for p in sweep_pts], [p[1] for p in sweep_pts], color=color, marker="o", label=f"{label}: noise sweep"
-        )
-        for x, y, name in pts:
-            if name in FORWARD_VARIANTS:
-                ax.scatter(x, y, color=color, marker="*", s=140)
-                ax.annotate(f"{label} {name}", (x, y), fontsize=7)
-    ax.axhline(1, color="grey", linestyle="--", linewidth=1)
+        for names, marker, line in ((model["flip"]["sweep"], "o", "-"), (FORWARD_VARIANTS, "*", "none")):
+            pts = sorted(
+                (
+                    model["variants"][n]["divergence_rms_dlogp"] / r,
+                    model["variants"][n]["margins"]["one_sided_minus_neither"],
+                    n,
+                )
+                for n in names
+            )
+            ax.errorbar(
+                [max(x, 1e-3) for x, _, _ in pts],
+                [m["mean"] for _, m, _ in pts],
+                yerr=[m["std"] for _, m, _ in pts],
+                color=color,
+                marker=marker,
+                markersize=6 if marker == "o" else 12,
+                linestyle=line,
+                label=f"{label}: {'noise sweep' if marker == 'o' else 'sdpa / eager / fp32-residual'}",
+            )
+            if marker == "*":
+                for x, m, n in pts:
+                    ax.annotate(n, (x, m["mean"]), fontsize=7)
+    ax.axhline(0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("divergence / one-sided bf16 rounding (RMS Δ log p)")
-    ax.set_ylabel("(one-sided - 1) / (neither - 1), token_mult_prob_error")
-    ax.set_title("above 1: one side alone is worse than neither")
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_xlabel("divergence / one-sided bf16 rounding (RMS Δ log p; shared at the left edge)")
+    ax.set_ylabel("one-sided - neither, token_mult_prob_error")
+    ax.set_title("above 0: fp32 on one side alone is worse than neither")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.suptitle(f"train/generation agreement on {results['machine'].get('gpu', results['machine']['device'])}")
@@ -729,7 +789,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny model, on the CPU unless --device says otherwise")
     parser.add_argument("--device", help="cuda (default) or cpu (default with --smoke)")
-    parser.add_argument("--train-seconds", type=float, help="training time of the real model (default 200)")
+    parser.add_argument("--train-seconds", type=float, help="training time of the real model (default 180)")
     parser.add_argument("--seeds", type=int, help="seeds per model (default 5; smoke 2)")
     parser.add_argument(
         "--trainer-head",
@@ -742,7 +802,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if not args.from_json.is_file():
             parser.error(f"--from-json {args.from_json}: no such file")
         try:
-            args.results = json.loads(args.from_json.read_text())
+            args.results = resummarise(json.loads(args.from_json.read_text()))
             report(args.results)
         except (ValueError, KeyError, TypeError) as exc:
             parser.error(f"--from-json {args.from_json}: not this benchmark's results ({type(exc).__name__}: {exc})")

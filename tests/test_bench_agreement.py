@@ -117,7 +117,7 @@ def test_smoke_run_scores_every_combination_on_both_models(tmp_path, capsys: pyt
     results = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert "trainer hidden states" in printed
-    assert set(results["models"]) == {"trained", "control"}
+    assert set(results["models"]) == {"trained", agreement.SHARP, "control"}
     trained = results["models"]["trained"]
     assert trained["training"]["loss_last"] < trained["training"]["loss_first"]
     assert trained["params"] > 0
@@ -151,6 +151,10 @@ def test_smoke_run_scores_every_combination_on_both_models(tmp_path, capsys: pyt
     again = capsys.readouterr().out.strip()
     assert "no flip along the noise sweep" in again or "flip (" in again
     assert again in printed
+    sharp = results["models"][agreement.SHARP]
+    assert sharp["distribution"]["mean_max_logit"] == pytest.approx(
+        2 * trained["distribution"]["mean_max_logit"], rel=0.02
+    )
     control = results["models"]["control"]
     # the control's head is scaled to the trained model's mean max logit
     assert control["distribution"]["mean_max_logit"] == pytest.approx(
