@@ -242,7 +242,7 @@ def train(model, stream: torch.Tensor, setup: Setup, device: torch.device) -> di
         opt.zero_grad(set_to_none=True)
         pending.append(loss.detach())
         step += 1
-        if step % 10 == 0 or step == setup.max_steps:
+        if step % 10 == 0 or step <= 10 or step == setup.max_steps:
             value = torch.stack(pending).mean().item()  # also the sync that keeps the clock honest
             pending.clear()
             curve.append((step, round(time.perf_counter() - start, 2), value))
