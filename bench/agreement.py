@@ -443,23 +443,32 @@ def measure_seed(engine, resid32, heldout: torch.Tensor, setup: Setup, seed: int
     }
 
 
-def one_sided_margin(combos: dict) -> float:
-    """How much worse (positive) fp32 on one side alone is than bf16 on both, in
-    token_mult_prob_error: the mean of the two one-sided combinations, minus neither."""
-    one = (combos[GEN_ONLY]["token_mult_prob_error"] + combos[TRAINER_ONLY]["token_mult_prob_error"]) / 2
-    return one - combos[NEITHER]["token_mult_prob_error"]
+# The metrics the flip is looked for in: token_mult_prob_error (1 + about mean |Δ log p|:
+# the bulk of the tokens) and the RMS (the tail; gen_kl_error, a mean of ~Δ²/2, follows it).
+# Each one's "excess" is its distance from exact agreement.
+FLIP_METRICS = {"token_mult_prob_error": 1.0, "rms_dlogp": 0.0}
 
 
-def _excess_ratio(a: dict, b: dict) -> float | None:
-    """(a - 1) / (b - 1) of two combos' mean token_mult_prob_error; None where b is exactly 1."""
-    excess = b["token_mult_prob_error"]["mean"] - 1
-    return (a["token_mult_prob_error"]["mean"] - 1) / excess if excess > 0 else None
+def one_sided_margin(combos: dict, metric: str = "token_mult_prob_error") -> float:
+    """How much worse (positive) fp32 on one side alone is than bf16 on both: the mean of the
+    two one-sided combinations, minus neither."""
+    return (combos[GEN_ONLY][metric] + combos[TRAINER_ONLY][metric]) / 2 - combos[NEITHER][metric]
 
 
-def _at_crossing(flip: dict, by_x: dict[float, dict]) -> float | None:
-    """neither_over_both interpolated to a crossing, as its x was (in log x, or in x from 0)."""
+def _excess_ratio(combos: dict, metric: str) -> float | None:
+    """(neither's excess) / (both's excess) in ``metric``: how much of the mismatch of two bf16
+    heads fp32 on both sides takes away, which an operator can read off two runs. None where
+    both sides agree exactly."""
+    zero = FLIP_METRICS[metric]
+    excess = combos[BOTH][metric]["mean"] - zero
+    return (combos[NEITHER][metric]["mean"] - zero) / excess if excess > 0 else None
+
+
+def _at_crossing(flip: dict, values: dict[float, float | None]) -> float | None:
+    """A value known at each sweep point's x, interpolated to a crossing as its x was (in log
+    x, or in x from 0)."""
     (x0, x1), x = flip["between"], flip["x"]
-    r0, r1 = by_x[x0]["neither_over_both"], by_x[x1]["neither_over_both"]
+    r0, r1 = values[x0], values[x1]
     if r0 is None or r1 is None:
         return r1 if r0 is None else r0
     t = math.log(x / x0) / math.log(x1 / x0) if x0 > 0 else (x - x0) / (x1 - x0)
@@ -468,8 +477,8 @@ def _at_crossing(flip: dict, by_x: dict[float, dict]) -> float | None:
 
 def summarise(per_seed: list[dict], setup: Setup) -> dict:
     """Per variant: each combo's metrics over the seeds, and how much worse (positive) or
-    better each one-sided combo is than neither, seed by seed (the combos share the tokens,
-    so the margins are paired); then the flip along the noise sweep."""
+    better fp32 on one side alone is than neither, seed by seed (the combos share the tokens,
+    so the margins are paired); then, per flip metric, where the noise sweep turns."""
     variants = {}
     for name in per_seed[0]["variants"]:
         rows = [seed["variants"][name] for seed in per_seed]
@@ -477,18 +486,19 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
             combo: {metric: spread([row["combos"][combo][metric] for row in rows]) for metric in METRICS}
             for combo in COMBOS
         }
-        margins = {"one_sided_minus_neither": spread([one_sided_margin(row["combos"]) for row in rows])}
-        for label, combo in (("generation_only", GEN_ONLY), ("trainer_only", TRAINER_ONLY)):
-            for metric in ("token_mult_prob_error", "rms_dlogp"):
+        margins = {}
+        for metric in FLIP_METRICS:
+            margins[f"one_sided_minus_neither_{metric}"] = spread(
+                [one_sided_margin(row["combos"], metric) for row in rows]
+            )
+            for label, combo in (("generation_only", GEN_ONLY), ("trainer_only", TRAINER_ONLY)):
                 margins[f"{label}_minus_neither_{metric}"] = spread(
                     [row["combos"][combo][metric] - row["combos"][NEITHER][metric] for row in rows]
                 )
         variants[name] = {
             "hidden_rel_rms": spread([row["hidden_rel_rms"] for row in rows]),
             "divergence_rms_dlogp": combos[BOTH]["rms_dlogp"]["mean"],
-            # what an operator can read off two runs: how much of neither's error the fp32
-            # head on both sides takes away
-            "neither_over_both": _excess_ratio(combos[NEITHER], combos[BOTH]),
+            "neither_over_both": {metric: _excess_ratio(combos, metric) for metric in FLIP_METRICS},
             "combos": combos,
             "margins": margins,
         }
@@ -496,26 +506,32 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
     # what one bf16 head alone adds, with no divergence to hide it
     rounding = (shared[GEN_ONLY]["rms_dlogp"]["mean"] + shared[TRAINER_ONLY]["rms_dlogp"]["mean"]) / 2
     sweep = ["shared", *(noise_name(eps) for eps in setup.noise)]
-    points = []
-    for name in sweep:
-        m = variants[name]["margins"]["one_sided_minus_neither"]
-        points.append((variants[name]["divergence_rms_dlogp"], m["mean"], m["se"]))
-    flips = crossings(points)
-    for flip in flips:
-        flip["x_over_rounding"] = flip["x"] / rounding
-        flip["neither_over_both"] = _at_crossing(
-            flip, {variants[n]["divergence_rms_dlogp"]: variants[n] for n in sweep}
-        )
+    flips = {}
+    for metric in FLIP_METRICS:
+        points, ratios = [], {}
+        for name in sweep:
+            v = variants[name]
+            m = v["margins"][f"one_sided_minus_neither_{metric}"]
+            points.append((v["divergence_rms_dlogp"], m["mean"], m["se"]))
+            ratios[v["divergence_rms_dlogp"]] = v["neither_over_both"][metric]
+        found = crossings(points)
+        for flip in found:
+            flip["x_over_rounding"] = flip["x"] / rounding
+            flip["neither_over_both"] = _at_crossing(flip, ratios)
+        flips[metric] = found
     verdicts = {}
     for name in ("shared", *FORWARD_VARIANTS):
-        m = variants[name]["margins"]["one_sided_minus_neither"]
         verdicts[name] = {
             "divergence_rms_dlogp": variants[name]["divergence_rms_dlogp"],
             "divergence_over_rounding": variants[name]["divergence_rms_dlogp"] / rounding,
-            "one_sided_minus_neither": m,
-            "one_sided": "worse than neither" if m["mean"] > 0 else "better than neither",
-            "clear": abs(m["mean"]) > 2 * m["se"],
         }
+        for metric in FLIP_METRICS:
+            m = variants[name]["margins"][f"one_sided_minus_neither_{metric}"]
+            verdicts[name][metric] = {
+                "one_sided_minus_neither": m,
+                "one_sided": "worse than neither" if m["mean"] > 0 else "better than neither",
+                "clear": abs(m["mean"]) > 2 * m["se"],
+            }
     return {
         "generated": {
             "gen_mean_entropy": spread([seed["gen_mean_entropy"] for seed in per_seed]),
@@ -524,7 +540,7 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
         "variants": variants,
         "rounding_rms_dlogp": rounding,
         "flip": {
-            "metric": "token_mult_prob_error: mean of the two one-sided combos minus neither",
+            "margin": "the mean of the two one-sided combos minus neither, per metric",
             "x": "divergence_rms_dlogp: RMS of delta log p with fp32out on both sides",
             "sweep": sweep,
             "crossings": flips,
@@ -652,7 +668,7 @@ def resummarise(results: dict) -> dict:
 
 def write(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(json.dumps(results, separators=(",", ":")) + "\n")  # compact: jq or --from-json reads it
 
 
 def _fmt(value: float | None) -> str:
@@ -661,36 +677,61 @@ def _fmt(value: float | None) -> str:
 
 def report(results: dict) -> str:
     lines = []
+    tm, rms = FLIP_METRICS
     for label, model in results["models"].items():
-        d = model["distribution"]
+        d, g = model["distribution"], model["generated"]
         lines.append(
-            f"\n{label}: held-out loss {d['heldout_loss']:.3f}, entropy {d['mean_entropy']:.3f}, "
-            f"mean max logit {d['mean_max_logit']:.2f}; on its samples: entropy "
-            f"{model['generated']['gen_mean_entropy']['mean']:.3f}, max logit {model['generated']['gen_mean_max_logit']['mean']:.2f}; "
-            f"bf16 rounding (one side, shared) RMS {model['rounding_rms_dlogp']:.2e}"
+            f"\n{label}: held-out loss {d['heldout_loss']:.3f}, entropy {d['mean_entropy']:.3f}, mean max logit "
+            f"{d['mean_max_logit']:.2f}; on its samples: entropy {g['gen_mean_entropy']['mean']:.3f}, max logit "
+            f"{g['gen_mean_max_logit']['mean']:.2f}; one bf16 head's rounding (shared) RMS {model['rounding_rms_dlogp']:.2e}"
         )
         lines.append(
-            f"  {'trainer hidden states':<22} {'RMS div':>9} {'rel h':>8}  "
-            + "  ".join(f"{c:>17}" for c in COMBOS)
-            + "   neither/both   one-sided - neither (mean ± std over seeds)"
+            f"  {'trainer hidden states':<16} {'RMS div':>8} {'rel h':>7} "
+            + " ".join(f"{c:>17}" for c in COMBOS)
+            + f" {'N/B':>6}  {'one-sided - neither':>21}  {'same, RMS':>19}"
         )
         for name, v in model["variants"].items():
-            tm = {c: v["combos"][c]["token_mult_prob_error"]["mean"] for c in COMBOS}
-            m = v["margins"]["one_sided_minus_neither"]
+            m, r = v["margins"][f"one_sided_minus_neither_{tm}"], v["margins"][f"one_sided_minus_neither_{rms}"]
             lines.append(
-                f"  {name:<22} {v['divergence_rms_dlogp']:>9.2e} {v['hidden_rel_rms']['mean']:>8.1e}  "
-                + "  ".join(f"{tm[c]:>17.6f}" for c in COMBOS)
-                + f"   {_fmt(v['neither_over_both']):>12}   {m['mean']:+.2e} ± {m['std']:.1e}"
+                f"  {name:<16} {v['divergence_rms_dlogp']:>8.2e} {v['hidden_rel_rms']['mean']:>7.1e} "
+                + " ".join(f"{v['combos'][c][tm]['mean']:>17.6f}" for c in COMBOS)
+                + f" {_fmt(v['neither_over_both'][tm]):>6}  {m['mean']:+.2e} ± {m['std']:.1e}  {r['mean']:+.2e} ± {r['std']:.1e}"
             )
-        for flip in model["flip"]["crossings"]:
-            lines.append(
-                f"  flip ({flip['direction']}{', clear' if flip['clear'] else ', within the seeds spread'}): "
-                f"at RMS divergence {flip['x']:.2e} ({flip['x_over_rounding']:.2f} x the one-sided rounding; "
-                f"there (neither - 1) / (both - 1) = {_fmt(flip['neither_over_both'])})"
-            )
-        if not model["flip"]["crossings"]:
-            lines.append("  no flip along the noise sweep")
+        for metric, found in model["flip"]["crossings"].items():
+            for flip in found:
+                lines.append(
+                    f"  flip in {metric} ({flip['direction']}{', clear' if flip['clear'] else ', inside the seeds spread'}):"
+                    f" at RMS divergence {flip['x']:.2e} = {flip['x_over_rounding']:.2f} x one head's rounding;"
+                    f" there neither/both = {_fmt(flip['neither_over_both'])}"
+                )
+            if not found:
+                lines.append(f"  no flip in {metric} along the noise sweep")
+    lines.append("  (combos: generation head / trainer head, token_mult_prob_error; N/B: neither/both excess)")
     return "\n".join(lines)
+
+
+# Published readings of the same comparison (facts quoted in issue 23), placed on the plot:
+# (label, metric, neither, both, one-sided)
+PUBLISHED = [
+    ("NeMo-RL #3936, Nemotron Super", "token_mult_prob_error", 1.029, 1.015, 1.035),
+    ("H200 quick read 1 (random 8-layer)", "token_mult_prob_error", 1.0357, 1.0318, 1.0357),
+    ("H200 quick read 2 (random 8-layer)", "token_mult_prob_error", 1.0473, 1.0396, 1.0450),
+    ("Fast-LLM #525, Qwen2.5-7B", "rms_dlogp", 0.0392, 0.0227, (0.0320 + 0.0329) / 2),
+]
+
+
+def _relative_points(model: dict, names: list[str], metric: str) -> list[tuple[float, float, float]]:
+    """(neither/both, (one-sided - neither) / neither's excess, its seed std) per variant."""
+    zero = FLIP_METRICS[metric]
+    out = []
+    for name in names:
+        v = model["variants"][name]
+        ratio = v["neither_over_both"][metric]
+        excess = v["combos"][NEITHER][metric]["mean"] - zero
+        if ratio is not None and excess > 0:
+            m = v["margins"][f"one_sided_minus_neither_{metric}"]
+            out.append((ratio, m["mean"] / excess, m["std"] / excess))
+    return out
 
 
 def plot(results: dict, path: Path) -> None:
@@ -703,81 +744,114 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = results["models"]
-    fig, axes = plt.subplots(1, len(models) + 1, figsize=(6 * (len(models) + 1), 4.6), squeeze=False)
+    cols = max(3, len(models))
+    fig, axes = plt.subplots(2, cols, figsize=(6.2 * cols, 10), squeeze=False)
     styles = {
         NEITHER: ("k", "o"),
         BOTH: ("tab:green", "s"),
         GEN_ONLY: ("tab:red", "^"),
         TRAINER_ONLY: ("tab:orange", "v"),
     }
+    tm, rms = FLIP_METRICS
     for ax, (label, model) in zip(axes[0], models.items(), strict=False):
         sweep = model["flip"]["sweep"]
         xs = [model["variants"][name]["divergence_rms_dlogp"] for name in sweep]
-        floor = min(x for x in xs if x > 0) / 3 if any(x > 0 for x in xs) else 1e-6
+        floor = min(x for x in xs if x > 0) / 3
         for combo, (color, marker) in styles.items():
-            ys = [model["variants"][name]["combos"][combo]["token_mult_prob_error"]["mean"] - 1 for name in sweep]
-            ax.plot([max(x, floor) for x in xs], ys, color=color, marker=marker, label=f"{combo} (gen / trainer)")
-        for name in FORWARD_VARIANTS:
-            v = model["variants"][name]
-            for combo, (color, marker) in styles.items():
-                ax.scatter(
-                    v["divergence_rms_dlogp"],
-                    v["combos"][combo]["token_mult_prob_error"]["mean"] - 1,
-                    color=color,
-                    marker=marker,
-                    s=90,
-                    facecolors="none",
-                )
-            ax.annotate(
-                name, (v["divergence_rms_dlogp"], v["combos"][NEITHER]["token_mult_prob_error"]["mean"] - 1), fontsize=8
+            ys = [model["variants"][name]["combos"][combo][tm]["mean"] - 1 for name in sweep]
+            ax.plot(
+                [max(x, floor) for x in xs], ys, color=color, marker=marker, label=f"{combo} (generation / trainer)"
             )
-        for flip in model["flip"]["crossings"]:
-            ax.axvline(flip["x"], color="grey", linestyle="--", linewidth=1)
+            named = [model["variants"][name] for name in FORWARD_VARIANTS]
+            ax.scatter(
+                [v["divergence_rms_dlogp"] for v in named],
+                [v["combos"][combo][tm]["mean"] - 1 for v in named],
+                s=110,
+                marker=marker,
+                facecolors="none",
+                edgecolors=color,
+            )
+        for metric, dash in ((tm, "--"), (rms, ":")):
+            for flip in model["flip"]["crossings"][metric]:
+                if flip["direction"] == "worse->better":
+                    ax.axvline(flip["x"], color="grey", linestyle=dash, linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
         d = model["distribution"]
-        ax.set_title(f"{label}: max logit {d['mean_max_logit']:.1f}, entropy {d['mean_entropy']:.2f}")
-        ax.set_xlabel("hidden-state divergence: RMS Δ log p, fp32out on both sides")
+        ax.set_title(f"{label}: mean max logit {d['mean_max_logit']:.1f}, held-out entropy {d['mean_entropy']:.2f}")
+        ax.set_xlabel("divergence: RMS Δ log p with fp32out on both sides (shared at the left edge)")
         ax.set_ylabel("token_mult_prob_error - 1")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    ax = axes[0][-1]
-    for (label, model), color in zip(models.items(), ("tab:blue", "tab:cyan", "tab:purple"), strict=False):
+    axes[0][0].legend(
+        loc="lower right", fontsize=7, title="lines: noise sweep; open: sdpa, fp32-residual, eager\n--: flip (: in RMS)"
+    ).get_title().set_fontsize(7)
+    colors = ("tab:blue", "tab:cyan", "tab:purple")
+    for ax, metric in zip(axes[1][:2], (tm, rms), strict=True):
+        for (label, model), color in zip(models.items(), colors, strict=False):
+            for names, marker, line in ((model["flip"]["sweep"], "o", "-"), (list(FORWARD_VARIANTS), "*", "none")):
+                pts = _relative_points(model, names, metric)
+                ax.errorbar(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    yerr=[p[2] for p in pts],
+                    color=color,
+                    marker=marker,
+                    markersize=5 if marker == "o" else 13,
+                    linestyle=line,
+                    label=f"{label}: {'noise sweep' if line == '-' else 'sdpa / eager / fp32-residual'}",
+                )
+        for source, where, neither, both, one in PUBLISHED:
+            if where == metric:
+                zero = FLIP_METRICS[metric]
+                x, y = (neither - zero) / (both - zero), (one - neither) / (neither - zero)
+                ax.scatter(x, y, marker="X", s=90, color="k", zorder=5)
+                ax.annotate(source, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.axhline(0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("linear" if metric == tm else "log")
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.set_xlabel(f"neither / both: {metric} excess of bf16 heads over fp32out heads")
+        ax.set_ylabel(f"(one-sided - neither) / neither's excess, {metric}")
+        ax.set_title(f"{metric}: above 0, one side alone is worse than neither")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[1][2]
+    for (label, model), color in zip(models.items(), colors, strict=False):
         r = model["rounding_rms_dlogp"]
         for names, marker, line in ((model["flip"]["sweep"], "o", "-"), (FORWARD_VARIANTS, "*", "none")):
             pts = sorted(
                 (
                     model["variants"][n]["divergence_rms_dlogp"] / r,
-                    model["variants"][n]["margins"]["one_sided_minus_neither"],
-                    n,
+                    model["variants"][n]["margins"][f"one_sided_minus_neither_{tm}"],
                 )
                 for n in names
             )
             ax.errorbar(
-                [max(x, 1e-3) for x, _, _ in pts],
-                [m["mean"] for _, m, _ in pts],
-                yerr=[m["std"] for _, m, _ in pts],
+                [max(x, 1e-3) for x, _ in pts],
+                [m["mean"] for _, m in pts],
+                yerr=[m["std"] for _, m in pts],
                 color=color,
                 marker=marker,
-                markersize=6 if marker == "o" else 12,
+                markersize=5 if marker == "o" else 13,
                 linestyle=line,
-                label=f"{label}: {'noise sweep' if marker == 'o' else 'sdpa / eager / fp32-residual'}",
+                label=f"{label}: {'noise sweep' if line == '-' else 'sdpa / eager / fp32-residual'}",
             )
-            if marker == "*":
-                for x, m, n in pts:
-                    ax.annotate(n, (x, m["mean"]), fontsize=7)
     ax.axhline(0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1e-4)
-    ax.set_xlabel("divergence / one-sided bf16 rounding (RMS Δ log p; shared at the left edge)")
+    ax.set_xlabel("divergence / one bf16 head's rounding (RMS Δ log p; shared at the left edge)")
     ax.set_ylabel("one-sided - neither, token_mult_prob_error")
     ax.set_title("above 0: fp32 on one side alone is worse than neither")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle(f"train/generation agreement on {results['machine'].get('gpu', results['machine']['device'])}")
+    for ax in axes[1][3:]:
+        ax.axis("off")
+    m = results["machine"]
+    fig.suptitle(
+        f"train/generation agreement: KV-cache decode vs full forward, {m.get('gpu', m['device'])}, {m['date']}"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -785,7 +859,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="where the results JSON goes")
     parser.add_argument("--plot", type=Path, help="where the plot (PNG) goes")
     parser.add_argument(
-        "--from-json", type=Path, help="measure nothing: print the table and draw the plot of an earlier run's JSON"
+        "--from-json",
+        type=Path,
+        help="measure nothing: derive the summaries of an earlier run's JSON again from its per-seed numbers, "
+        "print the table, write them to --out and draw --plot",
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny model, on the CPU unless --device says otherwise")
     parser.add_argument("--device", help="cuda (default) or cpu (default with --smoke)")
@@ -798,6 +875,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the trainer's fp32 head: the project's GEMM (lm_head_linear) or the HF head (hf_lm_head)",
     )
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out {args.out} is a folder; name the JSON file")
     if args.from_json is not None:
         if not args.from_json.is_file():
             parser.error(f"--from-json {args.from_json}: no such file")
@@ -818,8 +897,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: this benchmark runs on a GPU (use --smoke for the CPU check)")
-    if args.out.is_dir():
-        parser.error(f"--out {args.out} is a folder; name the JSON file")
     try:
         import tokenizers  # noqa: F401
         import transformers  # noqa: F401
@@ -832,6 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.from_json is not None:
         print(report(args.results))
+        if args.out:
+            args.results["summaries_derived_by"] = "python bench/agreement.py " + " ".join(sys.argv[1:])
+            write(args.results, args.out)
         if args.plot:
             plot(args.results, args.plot)
         return 0
