@@ -47,6 +47,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -290,10 +291,8 @@ def _gemm_fp32_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _hf_fp32_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        from fp32patch.runtime import hf_lm_head
-    except ImportError as exc:
-        raise SystemExit(f"agreement.py: --trainer-head hf needs fp32patch.runtime.hf_lm_head ({exc})") from None
+    from fp32patch.runtime import hf_lm_head  # parse() made sure it is there
+
     patched = copy.deepcopy(model)  # the stock head stays stock on the model itself
     hf_lm_head.apply_fp32_lm_head(patched, "fp32out")
     return patched.get_output_embeddings()
@@ -897,6 +896,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: this benchmark runs on a GPU (use --smoke for the CPU check)")
+    if args.trainer_head == "hf" and importlib.util.find_spec("fp32patch.runtime.hf_lm_head") is None:
+        parser.error(
+            "--trainer-head hf: fp32patch.runtime.hf_lm_head is not in this checkout (use --trainer-head gemm)"
+        )
     try:
         import tokenizers  # noqa: F401
         import transformers  # noqa: F401

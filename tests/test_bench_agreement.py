@@ -103,6 +103,11 @@ def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str], monkeypatch: 
         agreement.main(["--smoke", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "is a folder; name the JSON file" in capsys.readouterr().err
+    if importlib.util.find_spec("fp32patch.runtime.hf_lm_head") is None:
+        with pytest.raises(SystemExit) as exc:
+            agreement.main(["--smoke", "--out", str(tmp_path / "a.json"), "--trainer-head", "hf"])
+        assert exc.value.code == 2
+        assert "hf_lm_head is not in this checkout" in capsys.readouterr().err
     (tmp_path / "other.json").write_text('{"models": {"x": {}}}')
     with pytest.raises(SystemExit) as exc:
         agreement.main(["--from-json", str(tmp_path / "other.json")])
