@@ -32,8 +32,8 @@ states (``shared``: no divergence but the head GEMM's layout), the trainer's for
 sdpa (``sdpa``, the natural divergence of decode against full forward), with eager attention
 (``eager``), with an fp32 residual stream (``fp32-residual``: the bf16 weights upcast, run
 under bf16 autocast), and the shared hidden states plus Gaussian noise of a set size
-relative to each row's RMS (``noise 1e-3``, ...), to find where fp32 on one side alone
-turns from better than neither to worse.
+relative to each row's RMS (``noise 1e-3``, ...), to find the divergence below which fp32
+on one side alone is worse than neither (the flip), in token_mult_prob_error and in the RMS.
 
     python bench/agreement.py --out bench/agreement-h200.json --plot bench/agreement-h200.png
     python bench/agreement.py --smoke --out /tmp/agreement.json     # a tiny model on the CPU
