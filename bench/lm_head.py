@@ -17,7 +17,8 @@ reference. The ways of a shape are timed ``--rounds`` times, interleaved (each r
 starts one way later), each time next to a bf16 timing of its own, and each ratio is the
 median over rounds of the way's time over that paired bf16 time. The train/generation
 agreement puts the same hidden states through both sides and reports mean exp(|Δ log p|)
-between them.
+between them: one head's rounding alone (bf16 against bf16 is 1 by construction); two
+engines whose hidden states differ are measured by bench/agreement.py.
 
     python bench/lm_head.py --out bench/out/results.json [--plot bench/out/plot.png] [--quick]
 """
