@@ -234,11 +234,12 @@ def _apply_variant(spec: Spec, variant: Variant, files: dict[str, _File], result
             new_module = ops.apply_changes(f.module, file_changes)
         except ValueError as exc:
             raise _Refusal(Status.ANCHOR_AMBIGUOUS, f"{f.path}: {exc}") from None
-        _check_output(new_module.code, spec, variant, performed[name])
-        missing = undefined_names(f.module, new_module)
+        new_text = new_module.code
+        _check_output(new_text, spec, variant, performed[name])
+        missing = undefined_names(f.text, new_text)
         if missing:
             raise _Refusal(Status.UNDEFINED_NAME, _undefined_message(spec, variant, performed[name], f.path, missing))
-        new_files[f.path] = (_BOM if f.bom else b"") + new_module.code.encode("utf-8")
+        new_files[f.path] = (_BOM if f.bom else b"") + new_text.encode("utf-8")
     edits = [e for names in performed.values() for e in names]
     return result(
         Status.APPLIED,
