@@ -7,6 +7,8 @@ VPY := $(VENV)/bin/python
 export FP32PATCH_TEST_CACHE ?= $(HOME)/.cache/fp32patch-tests
 # <test environment>:<suite under tests/heavy>: each suite runs under that environment's Python
 HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm megatron:megatron
+# pytest-xdist workers for every suite (CI's machine has 2 cores); JOBS=0 runs in one process
+JOBS ?= 2
 # bench/ may not exist yet; ruff refuses a missing path
 LINT_PATHS := $(wildcard fp32patch tests bench tools)
 
@@ -29,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 test: test-fast test-heavy test-lowest
 
 test-fast: install
-	$(VPY) -m pytest
+	$(VPY) -m pytest -n $(JOBS)
 
 test-heavy: install
 	@set -e; for pair in $(HEAVY); do \
@@ -37,13 +39,13 @@ test-heavy: install
 	  $(VPY) tests/envs/build.py $$env; \
 	  echo "== tests/heavy/$$suite under $$env"; \
 	  FP32PATCH_HEAVY=1 PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path $$env) \
-	    -m pytest -p no:cacheprovider tests/heavy/$$suite; \
+	    -m pytest -n $(JOBS) -p no:cacheprovider tests/heavy/$$suite; \
 	done
 
 test-lowest: install
 	$(VPY) tests/envs/build.py lowest
 	@echo "== main suite (CLI-facing part) under the lowest dependency versions"
-	PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path lowest) -m pytest -p no:cacheprovider $(LOWEST_TESTS)
+	PYTHONPATH=$(CURDIR) $$($(VPY) tests/envs/build.py --path lowest) -m pytest -n $(JOBS) -p no:cacheprovider $(LOWEST_TESTS)
 
 demo: install
 	PY=$(VPY) bash tools/demo.sh

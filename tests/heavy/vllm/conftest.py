@@ -40,12 +40,22 @@ def _patched_root() -> Path:
     return root
 
 
-PATCHED_ROOT = _patched_root()
-sys.path.insert(0, str(PATCHED_ROOT))
+PATCHED_ROOT: Path | None = None
 
 
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
+def pytest_configure(config):
+    """Each process that runs tests patches a root of its own (a pytest-xdist controller,
+    which runs none, patches nothing)."""
+    global PATCHED_ROOT
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    PATCHED_ROOT = _patched_root()
+    sys.path.insert(0, str(PATCHED_ROOT))
+
+
+def pytest_unconfigure(config):
+    if PATCHED_ROOT is not None:
+        shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
 
 
 def free_port() -> int:
