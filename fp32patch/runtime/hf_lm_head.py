@@ -187,7 +187,7 @@ def _dtensor_linear(x: Any, weight: Any, bias: Any, mode: str) -> Any:
     else:
         detail = " with a bias" if placement == Shard(1) else ""
         raise UnsupportedLmHeadError(
-            f"fp32 LM head: a tensor-parallel weight placed {placement}{detail} is not supported; "
+            f"fp32 LM head: a tensor-parallel weight placed {placement!r}{detail} is not supported; "
             "Shard(0) (ColwiseParallel) and Shard(1) without bias (tied to a column-sharded embedding) are"
         )
     out = lm_head_linear(x_local, weight.to_local(), None if bias is None else bias.to_local(), mode)
@@ -231,7 +231,7 @@ def _find_head(model: Any) -> tuple[Any, str, list[Any]]:
     how = "has no get_output_embeddings()" if not callable(get) else "get_output_embeddings() is None"
     raise NoLmHeadError(
         f"fp32 LM head: {where} has no LM head ({how}, searched through .language_model); "
-        "a reward or value model keeps its own head: apply the fp32 head to the policy only"
+        "apply it to a causal LM (reward and value models have no LM head to convert)"
     )
 
 
