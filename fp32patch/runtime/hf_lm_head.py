@@ -143,11 +143,9 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     computes it (see the module doc)."""
     if str(weight.dtype).removeprefix("torch.") not in _LOW_PRECISION:
         raise UnsupportedLmHeadError(_fp32_weight(weight.dtype, "the forward"))
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(weight, DTensor):
+    if _is_dtensor(weight):
         return _dtensor_linear(x, weight, bias, mode)
-    if isinstance(x, DTensor):
+    if _is_dtensor(x):
         raise UnsupportedLmHeadError(
             f"fp32 LM head: the input is a DTensor {tuple(x.placements)} but the weight is a plain "
             "tensor; parallelize the head with the rest of the model or not at all"
@@ -194,6 +192,15 @@ def _dtensor_linear(x: Any, weight: Any, bias: Any, mode: str) -> Any:
     shape = (*x.shape[:-1], weight.shape[0])
     stride = tuple(_contiguous_strides(shape))
     return DTensor.from_local(out, mesh, (out_placement,), run_check=False, shape=shape, stride=stride)
+
+
+def _is_dtensor(t: Any) -> bool:
+    # a torch built without distributed support has no DTensors to meet
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
