@@ -8,7 +8,12 @@ Everything runs through the project's own runtime functions:
   allowed, the original design's fast variant);
 * training (the Megatron side): ``fp32patch.runtime.lm_head_gemm.lm_head_linear``, the GEMM
   ``apply_fp32_lm_head`` installs in Megatron's output layer, forward and backward, against
-  the stock bf16 ``x @ W.T``.
+  the stock bf16 ``x @ W.T``;
+* the PyTorch/HF head (NeMo-RL's DTensor workers): an ``nn.Linear`` converted by
+  ``fp32patch.runtime.hf_lm_head.apply_fp32_lm_head``, under bf16 autocast, handed fp32
+  hidden states as FSDP2's ``output_dtype=float32`` hands them, against the same stock
+  ``nn.Linear`` whose bf16 logits the trainer casts to fp32: the log-prob pass (no grad) and
+  forward + backward, on untied heads and a tied one (Qwen2.5-1.5B's).
 
 Each shape is measured in one run: CUDA-event times (median over at least ``--iters``
 calls and ``--min-ms`` of timed calls, after ``--warmup``) as a ratio to the bf16 GEMM,
@@ -40,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp32patch.runtime import fp32out, vllm_lm_head  # noqa: E402
+from fp32patch.runtime import fp32out, hf_lm_head, vllm_lm_head  # noqa: E402
 from fp32patch.runtime.lm_head_gemm import lm_head_linear  # noqa: E402
 from fp32patch.runtime.matmul_precision import cuda_tf32  # noqa: E402
 
@@ -56,6 +61,11 @@ INFER_WAYS = ["bf16", "bf16+float", "fp32 copy", "tf32 copy", "fp32out", "fp32ou
 # "bf16" is the GEMM alone; "bf16+casts" is the stock head as a trainer runs it: the loss
 # upcasts the bf16 logits to fp32 and the gradient comes back cast to bf16
 TRAIN_WAYS = ["bf16", "bf16+casts", "fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"]
+# the PyTorch/HF head: (tokens, hidden, vocab, tied to the embeddings)
+HF_SHAPES = [(16384, 4096, 131072, False), (16384, 4096, 32768, False), (16384, 1536, 151936, True)]
+HF_QUICK = [(2048, 1024, 8192, False), (2048, 512, 8192, True)]
+# "bf16" is the stock nn.Linear under autocast, its logits cast to fp32 by the trainer
+HF_WAYS = ["bf16", "fp32out", "fp32out-bf16grad"]
 
 
 # ---------------------------------------------------------------- vLLM-shaped stand-ins
@@ -380,6 +390,87 @@ def bench_training(shape, warmup, iters, ways=TRAIN_WAYS, rounds: int = 1, min_m
     return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "rounds": rounds, "ways": rows}
 
 
+class HfCausalLM(torch.nn.Module):
+    """The two modules of a Hugging Face causal LM that the head touches: the embedding (tied
+    to the head when ``tied``) and ``lm_head``, found through ``get_output_embeddings()``."""
+
+    def __init__(self, weight: torch.Tensor, tied: bool) -> None:
+        super().__init__()
+        v, hdim = weight.shape
+        self.embed_tokens = torch.nn.Embedding(v, hdim, device=weight.device, dtype=weight.dtype)
+        self.lm_head = torch.nn.Linear(hdim, v, bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(weight)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+def hf_logits(model: HfCausalLM, h: torch.Tensor) -> torch.Tensor:
+    """The head as NeMo-RL's DTensor worker runs it: under bf16 autocast, then fp32 logits
+    (the stock head's bf16 ones cast, as the log-prob and loss code does)."""
+    with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16):
+        logits = model.lm_head(h)
+    return logits.float()
+
+
+def bench_hf_head(shape, warmup, iters, ways=HF_WAYS, rounds: int = 1, min_ms: float = 0.0) -> dict:
+    """Each way of the PyTorch/HF head: the log-prob pass (no grad) and forward + backward,
+    timed as ``bench_training`` times its ways; the fp32 ways keep 0 bytes between calls."""
+    t, hdim, v, tied = shape
+    h16, w = inputs(t, hdim, v, seed=5)
+    h = h16.float()  # what FSDP2's output_dtype=float32 hands the head
+    models = {way: HfCausalLM(w, tied) for way in ways}
+    for way, model in models.items():
+        hf_lm_head.apply_fp32_lm_head(model, None if way == BASELINE else way)
+    ref = reference64(h16, w)
+    tokens = sampled_tokens(ref, seed=6)
+    ref_lp = token_logp(ref, tokens)
+    del ref
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    grad = torch.softmax(torch.randn(t, v, device=DEVICE, generator=gen) * 4, dim=-1) / t
+    x = h.clone().requires_grad_(True)
+    rows = {}
+    for way, model in models.items():
+        _sync()
+        _reset_peak()
+        base = _allocated()
+        with torch.no_grad():
+            out = hf_logits(model, h)
+        err = (token_logp(out, tokens) - ref_lp).abs()
+        rows[way] = {"mean_abs_dlogp": err.mean().item(), "max_abs_dlogp": err.max().item()}
+        del out, err
+        _sync()
+        rows[way]["extra_bytes_persistent"] = _allocated() - base  # what the way keeps between calls
+
+    def infer_step(model: HfCausalLM) -> None:
+        with torch.no_grad():
+            hf_logits(model, h)
+
+    def train_step_hf(model: HfCausalLM) -> None:
+        hf_logits(model, x).backward(grad)
+        x.grad = None
+        model.lm_head.weight.grad = None
+
+    out: dict = {"shape": {"tokens": t, "hidden": hdim, "vocab": v, "tied": tied}, "rounds": rounds}
+    for part, step in (("inference", infer_step), ("training", train_step_hf)):
+        times, paired = time_rounds(
+            {way: (lambda model=model, step=step: step(model)) for way, model in models.items()},
+            warmup,
+            iters,
+            rounds,
+            min_ms,
+        )
+        part_rows = {way: dict(rows[way]) for way in ways}
+        _add_times(part_rows, times, paired)
+        out[part] = part_rows
+    return out
+
+
 def agreement(shape, decode_rows: int = 512) -> dict:
     """Same hidden states through the vLLM side (in decode-sized batches) and the Megatron
     side (the whole sequence): mean exp(|Δ log p|) of sampled tokens between them."""
@@ -493,6 +584,18 @@ def table(results: dict) -> str:
                 f"{way:<18}{r['ms']:>9.2f}{r['ratio']:>8.3f}{spread:>16}{r['rel_err_dx']:>11.2e}"
                 f"{r['rel_err_dw_main_grad']:>19.2e}"
             )
+    for block in results.get("hf", []):
+        s = block["shape"]
+        tied = ", tied" if s["tied"] else ""
+        for part in ("inference", "training"):
+            lines.append(f"\nPyTorch/HF head, {part}, T={s['tokens']} H={s['hidden']} V={s['vocab']}{tied}")
+            lines.append(f"{'way':<18}{'ms':>9}{'ratio':>8}{'rounds min-max':>16}{'extra MiB':>11}{'mean|dlogp|':>13}")
+            for way, r in block[part].items():
+                spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
+                lines.append(
+                    f"{way:<18}{r['ms']:>9.2f}{r['ratio']:>8.3f}{spread:>16}"
+                    f"{r['extra_bytes_persistent'] / 2**20:>11.1f}{r['mean_abs_dlogp']:>13.2e}"
+                )
     for block in results["agreement"]:
         lines.append(f"\ntrain/generation agreement (vLLM side in batches of {block['decode_rows']} rows)")
         for name, r in block["pairs"].items():
@@ -525,7 +628,7 @@ def main() -> int:
         "--cpu", action="store_true", help="a smoke run of the logic on the CPU (no timings worth reading)"
     )
     parser.add_argument(
-        "--only", action="append", choices=["inference", "training", "agreement"], help="measure only these parts"
+        "--only", action="append", choices=["inference", "training", "hf", "agreement"], help="measure only these parts"
     )
     parser.add_argument("--train-ways", default=",".join(TRAIN_WAYS), help="comma-separated training ways")
     args = parser.parse_args()
@@ -549,7 +652,7 @@ def main() -> int:
         },
         "settings": {"warmup": args.warmup, "iters": args.iters, "min_ms": args.min_ms, "rounds": args.rounds},
     }
-    parts = args.only or ["inference", "training", "agreement"]
+    parts = args.only or ["inference", "training", "hf", "agreement"]
     ways = args.train_ways.split(",")
     unknown = sorted(set(ways) - set(TRAIN_WAYS))
     if unknown or BASELINE not in ways:
@@ -562,6 +665,12 @@ def main() -> int:
     results["training"] = (
         [bench_training(s, args.warmup, args.iters, ways, args.rounds, args.min_ms) for s in shapes]
         if "training" in parts
+        else []
+    )
+    hf_shapes = HF_QUICK if args.quick else HF_SHAPES
+    results["hf"] = (
+        [bench_hf_head(s, args.warmup, args.iters, HF_WAYS, args.rounds, args.min_ms) for s in hf_shapes]
+        if "hf" in parts
         else []
     )
     results["agreement"] = [agreement(shapes[0])] if "agreement" in parts else []

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import lm_head
+from fp32patch.runtime import hf_lm_head
 
 
 @pytest.fixture
@@ -95,3 +96,28 @@ def test_plot_labels_of_close_points_are_stacked() -> None:
     lm_head._points(ax, [("bf16", 1.0, 4.6e-4), ("casts", 1.1, 4.6e-4), ("bf16grad", 1.05, 4.6e-4), ("far", 2.4, 6e-5)])
     # same error, close in time: each next label one line lower; a distant point is left alone
     assert ax.labels == {"bf16": (6, 4), "casts": (6, -8), "bf16grad": (6, -20), "far": (6, 4)}
+
+
+def test_hf_head_bench_runs_every_way_on_the_cpu(cpu: None) -> None:
+    block = lm_head.bench_hf_head((64, 32, 128, True), warmup=0, iters=1, rounds=2)
+    assert block["shape"] == {"tokens": 64, "hidden": 32, "vocab": 128, "tied": True}
+    for part in ("inference", "training"):
+        ways = block[part]
+        assert list(ways) == lm_head.HF_WAYS and ways["bf16"]["ratio"] == 1.0
+        for way, row in ways.items():
+            assert len(row["ms_rounds"]) == 2 * (len(ways) - 1 if way == "bf16" else 1)
+            assert row["extra_bytes_persistent"] == 0
+    # the converted heads give fp32 logits: log-probs far closer to float64's than the stock head's
+    inference = block["inference"]
+    assert inference["fp32out"]["mean_abs_dlogp"] * 100 < inference["bf16"]["mean_abs_dlogp"]
+
+
+def test_hf_head_ways_are_the_stock_head_and_the_converted_one(cpu: None) -> None:
+    h = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    stock, ours = lm_head.HfCausalLM(w, tied=True), lm_head.HfCausalLM(w, tied=True)
+    assert stock.lm_head.weight is stock.embed_tokens.weight
+    hf_lm_head.apply_fp32_lm_head(ours, "fp32out")
+    with torch.no_grad():
+        assert torch.equal(lm_head.hf_logits(stock, h), (h.bfloat16() @ w.t()).float())
+        assert torch.equal(lm_head.hf_logits(ours, h), h.bfloat16().float() @ w.float().t())

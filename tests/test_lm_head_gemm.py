@@ -9,6 +9,7 @@ import torch
 from fp32patch.runtime.fp32out import split, sum_mm
 from fp32patch.runtime.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import MEGATRON_MODES
+from tests.support.in_place import CHANGES, assert_same_bits, change
 
 # The modes whose backward must be at least as precise as TF32.
 PRECISE_MODES = ("fp32", "tf32", "fp32out", "fp32out-hilo")
@@ -240,6 +241,50 @@ def test_a_surrounding_autocast_does_not_turn_the_head_back_to_bf16(mode: str):
         out = lm_head_linear(x, w, None, mode)
     assert out.dtype == torch.float32
     assert relative_error(out, x.double() @ w.double().t()) < 1e-6
+
+
+# ---- the logits changed in place under autograd (a trainer's temperature scaling) ----------
+
+# How the logits leave the head: 2-D, or Megatron's [s, b, h] turned to [b, s, v] by
+# GPTModel's transpose(0, 1).contiguous(), which returns the transposed view itself for b = 1
+LAYOUTS = {"2-D": None, "[s, 1, h]": 1, "[s, 2, h]": 2}
+
+
+def in_place_step(mode: str, layout: str, name: str, in_place: bool, fuse: bool = False, bias: bool = False):
+    x, w = operands()
+    g = grad_output("cross-entropy", x, w)
+    batch = LAYOUTS[layout]
+    if batch is not None:
+        x, g = x.reshape(-1, batch, H), g.reshape(-1, batch, V).transpose(0, 1)
+    x = x.clone().requires_grad_()
+    weight = torch.nn.Parameter(w.clone())
+    if fuse:
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    b = torch.nn.Parameter(torch.randn(V, generator=torch.Generator().manual_seed(4)).bfloat16()) if bias else None
+    logits = lm_head_linear(x, weight, b, mode, fuse_wgrad=fuse)
+    if batch is not None:
+        logits = logits.transpose(0, 1).contiguous()
+    out = change(name, logits, in_place)
+    assert (out is logits) == in_place
+    out.backward(g)
+    return out.detach(), x.grad, weight.grad, getattr(weight, "main_grad", None), None if b is None else b.grad
+
+
+@pytest.mark.parametrize("name", sorted(CHANGES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("mode", MEGATRON_MODES)
+def test_logits_can_be_changed_in_place_with_the_out_of_place_gradients(mode: str, layout: str, name: str):
+    # the head's output is no view made inside its autograd.Function, so autograd allows
+    # the in-place op, and the gradients are those of the same change out of place
+    assert_same_bits(in_place_step(mode, layout, name, True), in_place_step(mode, layout, name, False))
+
+
+@pytest.mark.parametrize("mode", MEGATRON_MODES)
+def test_in_place_change_with_bias_and_main_grad_fusion(mode: str):
+    got = in_place_step(mode, "[s, 1, h]", "div_", True, fuse=True, bias=True)
+    expected = in_place_step(mode, "[s, 1, h]", "div_", False, fuse=True, bias=True)
+    assert got[2] is None and got[3].any()  # the weight gradient went to main_grad
+    assert_same_bits(got, expected)
 
 
 def test_unknown_mode_is_refused():

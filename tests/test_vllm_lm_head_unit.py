@@ -3,6 +3,8 @@ which way it takes, how it finds heads, and when the copy is rebuilt."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -161,3 +163,21 @@ def test_describe_gives_each_head_a_way_and_a_reason(monkeypatch):
     vllm_lm_head.compute_logits(model, _hidden())
     [info] = vllm_lm_head.describe(model)
     assert info["way"] == "fp32out" and "fp32out" in info["reason"]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference-mode", "autograd"])
+@pytest.mark.parametrize("way", ["fp32out", "copy"])
+def test_either_ways_logits_can_be_changed_in_place(monkeypatch, way, grad):
+    # vLLM's logits processor scales the logits in place (``logits *= scale``); the runtime's
+    # GEMMs are plain torch ops (no autograd.Function), so their output may be changed so
+    monkeypatch.setenv(vllm_lm_head.ENV, way)
+    model = _model()
+    h = _hidden().reshape(5, 1, 32).requires_grad_(grad)
+    with contextlib.nullcontext() if grad else torch.inference_mode():
+        logits = vllm_lm_head.compute_logits(model, h).transpose(0, 1)
+        expected = logits / 0.7 * 1.5
+        logits.div_(0.7).mul_(1.5)
+    assert logits.dtype == torch.float32 and torch.equal(logits, expected)
+    if grad:
+        logits.sum().backward()
+        assert h.grad is not None and h.grad.shape == h.shape

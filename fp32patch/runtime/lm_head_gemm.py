@@ -143,31 +143,28 @@ def _make_function() -> type:
                     "fp32 LM head: Megatron-FSDP weights (__fsdp_param__) are not supported; "
                     "use Megatron's DDP or turn gradient_accumulation_fusion off"
                 )
-            flat = x.reshape(-1, x.shape[-1])
             # The input is only needed for the weight gradient; a frozen weight keeps none.
-            ctx.save_for_backward(flat if weight.requires_grad else None, weight)
+            ctx.save_for_backward(x if weight.requires_grad else None, weight)
             ctx.mode = mode
-            ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+            ctx.x_dtype = x.dtype
             ctx.main_grad = weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
             ctx.bias_dtype = None if bias is None else bias.dtype
             with _precision(mode, x.device):
-                out = _fwd_mm(mode, flat, weight)
+                out = _fwd_mm(mode, x, weight)
             if bias is not None:
                 out = out + bias.float()
-            return out.reshape(*x.shape[:-1], out.shape[-1])
+            return out
 
         @staticmethod
         def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-            flat, weight = ctx.saved_tensors
-            grad = grad_out.reshape(-1, grad_out.shape[-1]).float()
+            x, weight = ctx.saved_tensors
+            grad = grad_out.float()
             grad_b = None
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             with _precision(ctx.mode, grad.device):
                 grad_x, grad_w = _backward_gemms(
-                    ctx.mode, grad, weight, flat if need_dw else None, need_dx, ctx.x_dtype, ctx.main_grad
+                    ctx.mode, grad, weight, x if need_dw else None, need_dx, ctx.x_dtype, ctx.main_grad
                 )
-            if grad_x is not None:
-                grad_x = grad_x.reshape(ctx.x_shape)
             if grad_w is not None:
                 grad_w = _deliver_weight_grad(weight, ctx.main_grad, grad_w)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -194,4 +191,10 @@ def lm_head_linear(
     if _FUNCTION is None:
         # Built on first use: this module must import without torch.
         _FUNCTION = _make_function()
-    return _FUNCTION.apply(x, weight, bias, mode, fuse_wgrad)
+    # The Function sees 2-D tensors only and returns the product it allocated: a view made
+    # inside a custom Function (a reshape back to [..., V] there) may not be modified in
+    # place, and trainers scale logits in place (``logits.div_(temperature)``). The reshapes
+    # out here are ordinary autograd views, which may.
+    flat = x.reshape(-1, x.shape[-1])
+    out = _FUNCTION.apply(flat, weight, bias, mode, fuse_wgrad)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

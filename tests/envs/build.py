@@ -45,6 +45,13 @@ RECIPES: dict[str, list[list[str]]] = {
         ["install", "torch==2.13.0", "triton"],
         ["install", "--ignore-requires-python", "megatron-core==0.19.2", "numpy<2.5"],
     ],
+    # Hugging Face transformers at the release NeMo-RL pins (5.5), on the CPU torch this machine
+    # carries: the PyTorch/HF head under FSDP2 and tensor parallelism (gloo); peft for the real
+    # LoRA head the runtime refuses
+    "transformers": [
+        ["install", "torch==2.13.0"],
+        ["install", "transformers==5.5.4", "peft==0.21.2"],
+    ],
     # fp32patch's own dependencies at the lowest versions pyproject.toml allows (the main
     # suite's .venv has the newest), with what the main suite needs to run.
     "lowest": [

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,15 +200,26 @@ VARIANTS = (
 )
 
 
-def run_scenario(variant: str, mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """One forward and backward of a converted real output layer on this rank.
+def run_scenario(
+    variant: str,
+    mode: str,
+    rank: int,
+    world: int,
+    batch: int = B,
+    change: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """One forward and backward of a converted real output layer on this rank, on the
+    first ``batch`` sequences of the problem.
 
     Returns the logits as the layer returned them, this rank's input gradient and its
-    weight gradient (``main_grad`` under fusion).
+    weight gradient (``main_grad`` under fusion). With ``change``, the logits are first
+    turned to [b, s, v] as GPTModel hands them over (``transpose(0, 1).contiguous()``) and
+    passed through ``change`` (a trainer's temperature scaling); the result is returned.
     """
     from fp32patch.runtime.megatron_lm_head import apply_fp32_lm_head
 
     p = problem()
+    p = Problem(p.x[:, :batch], p.weight, p.grad[:, :batch])
     split_sequence = variant == "sequence_parallel" and world > 1
     # Megatron refuses sequence parallelism without tensor parallelism: TP=1 runs plain.
     cfg = config(sequence_parallel=split_sequence)
@@ -230,9 +242,34 @@ def run_scenario(variant: str, mode: str, rank: int, world: int) -> dict[str, to
         runtime_gather_output=True if variant == "runtime_gather_output" else None,
     )
     full = logits.shape[-1] == V
-    logits.backward(p.grad if full else p.grad[..., vocab_shard(rank, world)].contiguous())
+    grad = p.grad if full else p.grad[..., vocab_shard(rank, world)].contiguous()
+    if change is not None:
+        logits, grad = change(logits.transpose(0, 1).contiguous()), grad.transpose(0, 1)
+    logits.backward(grad)
     weight_grad = weight.main_grad if variant == "ddp_fused" else weight.grad
     return {"logits": logits.detach(), "dx": x.grad, "dw": weight_grad}
+
+
+# The scenarios whose logits are also changed in place at TP=2, in and out of place: each
+# key ("in-place", variant, mode, batch, in_place) of tp_worker's results.
+IN_PLACE_VARIANTS = ("parallel_output", "sequence_parallel", "ddp_fused", "tied")
+
+
+def in_place_scenarios(rank: int, world: int) -> dict[tuple, dict[str, torch.Tensor]]:
+    """``run_scenario`` with the logits divided by the temperature, in place and out of place."""
+    from functools import partial
+
+    from tests.support.in_place import change
+
+    return {
+        ("in-place", variant, mode, batch, in_place): run_scenario(
+            variant, mode, rank, world, batch, partial(change, "div_", in_place=in_place)
+        )
+        for variant in IN_PLACE_VARIANTS
+        for mode in MODES
+        for batch in (1, B)
+        for in_place in (True, False)
+    }
 
 
 def tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -240,6 +277,7 @@ def tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     init_parallel(rank, world, port)
     try:
         results = {(variant, mode): run_scenario(variant, mode, rank, world) for variant in VARIANTS for mode in MODES}
+        results.update(in_place_scenarios(rank, world))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         close_parallel()

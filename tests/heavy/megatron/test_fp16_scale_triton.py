@@ -167,3 +167,23 @@ def test_lm_head_backward_through_the_kernels_accumulates_main_grad(kernels, mon
         ref += (g * scale).double().t() @ x.double()
     assert weight.grad is None
     assert ((weight.main_grad.double() - ref).norm() / ref.norm()).item() < 2.0**-11
+
+
+@only_interpreted
+def test_logits_divided_in_place_backward_through_the_kernels(kernels, monkeypatch):
+    # a trainer's temperature scaling on [b=1, s, v] logits; the kernels see the same gradient
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(24, 1, 64, generator=gen).bfloat16()
+    w = (torch.randn(300, 64, generator=gen) * 0.05).half()
+    g = _wide(24, 300, seed=11).reshape(1, 24, 300)
+    monkeypatch.setattr(fp32out, "_triton_kernels", lambda a: kernels)
+
+    def step(in_place: bool):
+        xin, weight = x.clone().requires_grad_(), torch.nn.Parameter(w.clone())
+        weight.main_grad = torch.zeros(w.shape)
+        logits = lm_head_linear(xin, weight, None, "fp32out", fuse_wgrad=True).transpose(0, 1).contiguous()
+        (logits.div_(0.7) if in_place else logits / 0.7).backward(g)
+        return xin.grad, weight.main_grad
+
+    for got, expect in zip(step(True), step(False), strict=True):
+        assert torch.equal(got, expect)

@@ -15,9 +15,11 @@ import torch.multiprocessing as mp
 from megatron_harness import (
     DX_SLACK,
     GRAD_SLACK,
+    IN_PLACE_VARIANTS,
     MODES,
     U_BF16,
     VARIANTS,
+    B,
     V,
     assert_within,
     free_port,
@@ -27,6 +29,8 @@ from megatron_harness import (
     tp_worker,
     vocab_shard,
 )
+
+from tests.support.in_place import assert_same_bits
 
 WORLD = 2
 
@@ -95,3 +99,15 @@ def test_tp2_matches_tp1(tp1, tp2, variant: str, mode: str):
             rounded_to_bf16=True,
             extra=U_BF16 * partials[rows],
         )
+
+
+@pytest.mark.parametrize("batch", [1, B])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", IN_PLACE_VARIANTS)
+def test_tp2_logits_divided_in_place_give_the_out_of_place_gradients(tp2, variant: str, mode: str, batch: int):
+    # the temperature scaling of a trainer, after GPTModel's transpose/contiguous, on each rank
+    for results in tp2:
+        got = results[("in-place", variant, mode, batch, True)]
+        expected = results[("in-place", variant, mode, batch, False)]
+        assert got.keys() == expected.keys()
+        assert_same_bits(tuple(got.values()), tuple(expected.values()))

@@ -1,0 +1,1 @@
+"""The transformers suite (runs under the heavy `transformers` environment)."""
