@@ -6,9 +6,11 @@ heads themselves are shared by every stack (``megatron_lm_head``, ``vllm_lm_head
 the worker-side measurement (``vllm_probe``).
 
 - ``check_config(cfg, where=...)``: the config guard, run in the driver before any worker
-  starts and again in each Megatron worker.
+  starts and again in each Megatron and DTensor worker.
 - ``wire_megatron(model, megatron_cfg)``: the fp32 output layer on every model chunk that
   ``get_model`` returned.
+- ``wire_dtensor(model, dtensor_cfg)``: the fp32 LM head on the DTensor workers' (v1, v2)
+  Hugging Face model, once it is parallelized, loaded and re-tied.
 - ``probe_vllm_model(model)``: run inside each vLLM worker once the model is loaded.
 - ``check_probe_reports(reports, settings, where=...)``: in the driver, refuses to go on when
   a vLLM worker's logits disagree with the trainer's.
@@ -24,7 +26,7 @@ from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchEr
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.nemo_rl.config import Fp32LmHeadSettings, check_config, validate_fp32_lm_head_config
 from fp32patch.runtime.nemo_rl.probe import PROBE_RPC, check_probe_reports
-from fp32patch.runtime.nemo_rl.wiring import wire_megatron
+from fp32patch.runtime.nemo_rl.wiring import wire_dtensor, wire_megatron
 from fp32patch.runtime.vllm_probe import probe_vllm_model
 
 __all__ = [
@@ -37,5 +39,6 @@ __all__ = [
     "check_probe_reports",
     "probe_vllm_model",
     "validate_fp32_lm_head_config",
+    "wire_dtensor",
     "wire_megatron",
 ]

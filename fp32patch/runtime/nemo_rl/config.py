@@ -54,6 +54,7 @@ from fp32patch.runtime.modes import (
 
 # The switch as NeMo-RL's messages name it.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"
+DTENSOR_KEY = "policy.dtensor_cfg.fp32_lm_head"
 RESIDUAL = "fp32_residual_connection"
 
 # Generation backends that start vLLM with generation.vllm_cfg.env_vars.
