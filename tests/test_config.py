@@ -20,8 +20,12 @@ def policy(
     backend: str | None = "vllm",
     fused: object = _UNSET,
     enabled: object = _UNSET,
+    dtensor: dict | None = None,
+    vllm: object = _UNSET,
+    **extra: object,
 ) -> dict:
-    """A NeMo-RL policy section with just the keys the guard reads."""
+    """A NeMo-RL policy section with just the keys the guard reads (``dtensor``: its
+    ``dtensor_cfg``; ``vllm``: ``generation.vllm_cfg.fp32_lm_head``; ``extra``: policy keys)."""
     megatron: dict = {}
     if enabled is not _UNSET:
         megatron["enabled"] = enabled
@@ -30,12 +34,32 @@ def policy(
     if fused is not _UNSET:
         megatron["use_fused_linear_logprobs"] = fused
     vllm_cfg: dict = {"async_engine": False}
+    if vllm is not _UNSET:
+        vllm_cfg["fp32_lm_head"] = vllm
     if env is not _UNSET:
         vllm_cfg["env_vars"] = {"NCCL_CUMEM_ENABLE": "1", VAR: env}
     generation: dict = {"vllm_cfg": vllm_cfg}
     if backend is not None:
         generation["backend"] = backend
-    return {"megatron_cfg": megatron, "generation": generation}
+    out = {"megatron_cfg": megatron, "generation": generation, **extra}
+    if dtensor is not None:
+        out["dtensor_cfg"] = dtensor
+    return out
+
+
+def dtensor(mode: object = _UNSET, **cfg: object) -> dict:
+    """A DTensor policy: ``dtensor_cfg`` enabled, Megatron disabled (NeMo-RL's recipes)."""
+    section: dict = {"enabled": True, "_v2": True, **cfg}
+    if mode is not _UNSET:
+        section["fp32_lm_head"] = mode
+    return section
+
+
+DT = Fp32LmHeadSettings
+
+
+def dt(mode: str | None, vllm: str | None, **kw: object) -> Fp32LmHeadSettings:
+    return Fp32LmHeadSettings(None, vllm, dtensor=mode, **kw)
 
 
 # (policy, expected settings): configs that must pass, and what they ask for.
@@ -80,6 +104,39 @@ VALID = [
         Fp32LmHeadSettings("fp32out", "fp32out"),
         id="whole-config",
     ),
+    # DTensor (v1 and v2): its own switch, held to vLLM's.
+    pytest.param(policy(enabled=False, dtensor=dtensor("fp32out"), vllm=True), dt("fp32out", "1"), id="dt-fp32out"),
+    pytest.param(policy(enabled=False, dtensor=dtensor(True), env="copy"), dt("fp32", "copy"), id="dt-true-env"),
+    pytest.param(policy(dtensor=dtensor("tf32", _v2=False), vllm="fp32out"), dt("tf32", "fp32out"), id="dt-v1"),
+    pytest.param(policy(enabled=False, dtensor=dtensor(False), vllm=False), dt(None, "0"), id="dt-both-off"),
+    pytest.param(policy(enabled=False, dtensor=dtensor()), dt(None, None), id="dt-unset"),
+    pytest.param(
+        policy(enabled=False, dtensor={"fp32_lm_head": "fp32out"}, vllm=True), dt("fp32out", "1"), id="dt-no-enabled"
+    ),
+    # vLLM's switch as upstream NeMo-RL spells it since 2026-08-31, with Megatron.
+    pytest.param(policy(True, vllm=True), Fp32LmHeadSettings("fp32", "1"), id="vllm-key-true"),
+    pytest.param(policy("fp32out", vllm="copy"), Fp32LmHeadSettings("fp32out", "copy"), id="vllm-key-copy"),
+    pytest.param(policy(False, vllm=False), Fp32LmHeadSettings(None, "0"), id="vllm-key-false"),
+    pytest.param(policy(vllm=None), Fp32LmHeadSettings(None, None), id="vllm-key-null"),
+    # both spellings, agreeing: the variable may name the way
+    pytest.param(policy(True, "copy", vllm=True), Fp32LmHeadSettings("fp32", "copy"), id="both-spellings"),
+    pytest.param(policy(False, "0", vllm=False), Fp32LmHeadSettings(None, "0"), id="both-spellings-off"),
+    # one side alone, asked for explicitly
+    pytest.param(
+        policy(enabled=False, dtensor=dtensor(), vllm=True, allow_one_sided_fp32_lm_head=True),
+        dt(None, "1", one_sided=True),
+        id="one-sided-vllm-only",
+    ),
+    pytest.param(
+        policy("fp32out", allow_one_sided_fp32_lm_head=True),
+        Fp32LmHeadSettings("fp32out", None, one_sided=True),
+        id="one-sided-trainer-only",
+    ),
+    pytest.param(
+        policy("fp32out", "1", allow_one_sided_fp32_lm_head=True),
+        Fp32LmHeadSettings("fp32out", "1"),
+        id="opt-in-unused",
+    ),
 ]
 
 
@@ -91,9 +148,11 @@ def test_valid_configs_pass_and_say_what_they_ask_for(cfg: dict, expected: Fp32L
 # (policy, fragments the message must contain): each rule, each way to break it.
 INVALID = [
     # One engine alone.
-    pytest.param(policy(True), ["megatron_cfg.fp32_lm_head", "is not set", '"1"'], id="meg-only"),
+    pytest.param(
+        policy(True), ["megatron_cfg.fp32_lm_head", "is not set", "vllm_cfg.fp32_lm_head to true"], id="meg-only"
+    ),
     pytest.param(policy("fp32out", "0"), ["fp32_lm_head is 'fp32out'", 'is "0"'], id="meg-vllm-0"),
-    pytest.param(policy("tf32", 0), ['is "0"', "mismatch worse"], id="meg-vllm-int-0"),
+    pytest.param(policy("tf32", 0), ['is "0"', "trainer only", "1.035"], id="meg-vllm-int-0"),
     pytest.param(policy(False, "1"), [f"env_vars.{VAR}", '"1"', "is off"], id="vllm-only"),
     pytest.param(policy(None, "copy"), ['"copy"', "fp32_lm_head is off"], id="vllm-copy-only"),
     pytest.param(policy(env="fp32out"), ['"fp32out"', "is off"], id="vllm-only-meg-unset"),
@@ -129,6 +188,69 @@ INVALID = [
         id="fused-logprobs-any-backend",
     ),
     pytest.param(policy(True, "1", enabled=False), ["megatron_cfg.enabled is False"], id="megatron-disabled"),
+    # DTensor.
+    pytest.param(
+        policy(enabled=False, dtensor=dtensor("fp32out")),
+        ["dtensor_cfg.fp32_lm_head is 'fp32out'", "is not set", "trainer only", "allow_one_sided_fp32_lm_head: true"],
+        id="dt-only",
+    ),
+    pytest.param(
+        policy(enabled=False, dtensor=dtensor(), vllm=True),
+        ['vllm_cfg.fp32_lm_head is "1"', "dtensor_cfg.fp32_lm_head is off", "vLLM only", "1.01444"],
+        id="vllm-only-on-dtensor",
+    ),
+    pytest.param(
+        policy("fp32out", "1", dtensor=dtensor()),
+        ["megatron_cfg.fp32_lm_head is on but the policy trains with DTensor", "Move the switch to dtensor_cfg"],
+        id="switch-under-the-disabled-megatron",
+    ),
+    pytest.param(
+        policy(enabled=True, dtensor=dtensor("fp32out", enabled=False), vllm=True),
+        ["dtensor_cfg.fp32_lm_head is on but the policy trains with Megatron", "megatron_cfg.fp32_lm_head"],
+        id="switch-under-the-disabled-dtensor",
+    ),
+    pytest.param(
+        policy(dtensor=dtensor("fp32out", enabled=False), vllm=True),
+        ["dtensor_cfg.fp32_lm_head is on but dtensor_cfg.enabled is False"],
+        id="dtensor-disabled",
+    ),
+    pytest.param(
+        policy("fp32out", vllm=True, dtensor={"fp32_lm_head": "fp32out"}),
+        ["both megatron_cfg.fp32_lm_head and dtensor_cfg.fp32_lm_head are on"],
+        id="both-trainers-unsaid",
+    ),
+    pytest.param(
+        policy(enabled=False, dtensor=dtensor("TF32"), vllm=True),
+        ["dtensor_cfg.fp32_lm_head = 'TF32' is not valid", 'did you mean "tf32"'],
+        id="dt-TF32",
+    ),
+    pytest.param(
+        policy(enabled=False, dtensor=dtensor(fp32_lm_heads="fp32out"), vllm=True),
+        ["dtensor_cfg.fp32_lm_heads is not a key", "did you mean dtensor_cfg.fp32_lm_head?"],
+        id="dt-near-miss",
+    ),
+    # vLLM's key.
+    pytest.param(
+        policy(True, vllm="true"), ["vllm_cfg.fp32_lm_head = 'true' is not valid", "without quotes"], id="vk-str"
+    ),
+    pytest.param(policy(True, vllm=1), ["vllm_cfg.fp32_lm_head = 1 is not valid"], id="vk-int"),
+    pytest.param(policy(True, vllm="tf32"), ["'tf32' is not valid", '"fp32out", "copy"'], id="vk-tf32"),
+    pytest.param(
+        policy(True, "0", vllm=True),
+        ["vllm_cfg.fp32_lm_head = True and", "env_vars.NRL_VLLM_FP32_LM_HEAD = '0' disagree"],
+        id="two-spellings-disagree",
+    ),
+    pytest.param(
+        policy(True, vllm=True, generation_fp32_lm_head=True),
+        ["generation_fp32_lm_head is in the wrong place"],
+        id="vk-wrong-place",
+    ),
+    # the opt-in must be a boolean
+    pytest.param(
+        policy(True, allow_one_sided_fp32_lm_head="yes"),
+        ["allow_one_sided_fp32_lm_head = 'yes' is not valid", "without quotes"],
+        id="opt-in-str",
+    ),
     # Shapes.
     pytest.param({"megatron_cfg": ["fp32_lm_head"]}, ["megatron_cfg must be a mapping"], id="list"),
     pytest.param(
@@ -197,3 +319,42 @@ def test_the_guard_does_not_change_the_config():
     before = repr(cfg)
     validate_fp32_lm_head_config(cfg, environ={})
     assert repr(cfg) == before
+
+
+def test_a_near_miss_of_vllms_key_names_it():
+    cfg = policy(True)
+    cfg["generation"]["vllm_cfg"]["fp32_lm_heads"] = True
+    with pytest.raises(
+        Fp32LmHeadConfigError,
+        match=r"generation.vllm_cfg.fp32_lm_heads is not a key .* did you mean generation.vllm_cfg.fp32_lm_head\?",
+    ):
+        validate_fp32_lm_head_config(cfg, environ={})
+
+
+def test_the_older_vllm_spelling_works_and_names_the_new_key():
+    settings = validate_fp32_lm_head_config(policy("fp32out", "copy"), environ={})
+    assert settings == Fp32LmHeadSettings("fp32out", "copy")
+    (note,) = settings.notes
+    assert "env_vars.NRL_VLLM_FP32_LM_HEAD is the older spelling" in note
+    assert 'generation.vllm_cfg.fp32_lm_head: "copy"' in note
+    assert validate_fp32_lm_head_config(policy("fp32out", vllm=True), environ={}).notes == ()
+
+
+def test_the_driver_environment_is_not_read_where_vllms_key_decides():
+    assert validate_fp32_lm_head_config(policy(False, vllm=False), environ={VAR: "1"}) == Fp32LmHeadSettings(None, "0")
+
+
+def test_one_side_alone_warns_with_the_measurement():
+    cfg = policy(enabled=False, dtensor=dtensor(), vllm=True, allow_one_sided_fp32_lm_head=True)
+    settings = validate_fp32_lm_head_config(cfg, environ={})
+    assert settings.one_sided and settings.vllm_on and settings.trainer is None
+    (warning,) = settings.notes
+    assert "accepted by allow_one_sided_fp32_lm_head" in warning
+    assert "bench/RESULTS.md" in warning and "1.01391" in warning and "1.035" in warning
+
+
+def test_the_trainer_settings_name_the_backend():
+    settings = validate_fp32_lm_head_config(policy(enabled=False, dtensor=dtensor("fp32out"), vllm=True), environ={})
+    assert (settings.trainer, settings.trainer_key) == ("fp32out", "policy.dtensor_cfg.fp32_lm_head")
+    settings = validate_fp32_lm_head_config(policy("tf32", vllm=True), environ={})
+    assert (settings.trainer, settings.trainer_key) == ("tf32", "policy.megatron_cfg.fp32_lm_head")

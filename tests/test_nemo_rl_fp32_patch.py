@@ -724,7 +724,11 @@ def test_the_probe_names_the_drivers_environment_when_the_config_has_no_switch(
             "0",
             [{VAR: "1"}, {VAR: "0"}],
             True,
-            ["vLLM worker 0 ", f"while {VAR}='0' in policy.generation.vllm_cfg.env_vars: ", "Megatron train on bf16"],
+            [
+                "vLLM worker 0 ",
+                f"while {VAR}='0' in policy.generation.vllm_cfg.env_vars: ",
+                "generate from fp32 logits all the same",
+            ],
         ),
     ],
     ids=["variable-missing-in-a-worker", "unpatched-vllm", "vllm-fp32-megatron-off"],

@@ -25,6 +25,17 @@ from fp32patch.runtime.nemo_rl import (
 
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 KEY = "policy.megatron_cfg.fp32_lm_head"
+DT_KEY = "policy.dtensor_cfg.fp32_lm_head"
+
+
+@pytest.fixture(autouse=True)
+def _no_verdict_from_another_test():
+    # check_config keeps its last verdict per caller for the probe's line, process-wide
+    from fp32patch.runtime.nemo_rl import config
+
+    config._CHECKED.clear()
+    yield
+    config._CHECKED.clear()
 
 
 # ---- a config of NeMo-RL's shape: pydantic at the top, TypedDicts below ------------------
@@ -153,7 +164,7 @@ def test_real_neighbouring_keys_are_not_near_misses(key):
         ),
         pytest.param(
             master({"fp32_lm_head": "fp32out"}),
-            [f"{KEY} is 'fp32out' but policy.generation.vllm_cfg.env_vars.{VAR} is not set"],
+            [f"{KEY} is 'fp32out' but policy.generation.vllm_cfg.fp32_lm_head is not set"],
             id="megatron-only",
         ),
         pytest.param(
@@ -318,7 +329,7 @@ def test_each_disagreement_names_the_worker_and_the_reason(mode, bad, expected, 
     message = str(caught.value)
     assert message.startswith("fp32patch (driver): the fp32 LM head is not on in both engines alike:\n")
     assert expected in message
-    assert "worse than both off" in message
+    assert "a mix the config did not ask for" in message
     assert [index for index, _, _ in caught.value.disagreements] == [1]
     assert info_lines() == []
 
@@ -331,7 +342,8 @@ def test_a_caller_that_knows_only_the_vllm_switch_names_it(info_lines):
     check_probe_reports([report(), report(way="copy")], "fp32", asked_by=ASKED)
     assert info_lines() == [
         f"fp32patch (driver): LM head fp32 on in every vLLM worker, as {ASKED} asks: 2 vLLM worker(s) "
-        f"compute float32 logits (way: copy, fp32out); the config guard holds {KEY} to the same switch"
+        f"compute float32 logits (way: copy, fp32out); the config guard holds the trainer's switch ({KEY} or "
+        f"{DT_KEY}) to the same switch"
     ]
     with pytest.raises(Fp32LmHeadMismatchError) as caught:
         check_probe_reports([report(), OFF], "fp32", asked_by=ASKED)
@@ -346,7 +358,8 @@ def test_a_caller_that_knows_only_the_vllm_switch_off(info_lines):
     check_probe_reports([OFF], None, asked_by=off)
     assert info_lines() == [
         f"fp32patch (driver): LM head fp32 off in every vLLM worker, as {off} asks: 1 vLLM worker(s) "
-        f"compute bfloat16 logits (stock); the config guard holds {KEY} to the same switch"
+        f"compute bfloat16 logits (stock); the config guard holds the trainer's switch ({KEY} or "
+        f"{DT_KEY}) to the same switch"
     ]
     with pytest.raises(Fp32LmHeadMismatchError, match=f"computes float32 logits while {off}: {VAR}='1'"):
         check_probe_reports([report("float32", "fp32out", "1", True)], None, asked_by=off)
@@ -385,3 +398,49 @@ def test_importing_the_module_imports_no_torch_vllm_or_megatron():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def dtensor_master(mode: object, **vllm_cfg: object) -> dict:
+    cfg = master(None, None)
+    cfg["policy"]["megatron_cfg"] = {"enabled": False}
+    cfg["policy"]["dtensor_cfg"] = {"enabled": True, "_v2": True, "fp32_lm_head": mode}
+    cfg["policy"]["generation"]["vllm_cfg"].update(vllm_cfg)
+    return cfg
+
+
+def test_the_probe_line_names_the_dtensor_mode_the_driver_guard_found(info_lines):
+    settings = check_config(dtensor_master("fp32out", fp32_lm_head=True), where="driver", environ={})
+    assert settings == Fp32LmHeadSettings(None, "1", dtensor="fp32out")
+    check_probe_reports([report()], settings)
+    check_probe_reports([report()], "fp32", asked_by="policy.generation.vllm_cfg.fp32_lm_head=True")
+    assert info_lines() == [
+        "fp32patch (driver): LM head fp32 in both engines: DTensor fp32_lm_head='fp32out', 1 vLLM worker(s) "
+        "compute float32 logits (way: fp32out)",
+        "fp32patch (driver): LM head fp32 on in every vLLM worker, as policy.generation.vllm_cfg.fp32_lm_head=True "
+        f"asks: 1 vLLM worker(s) compute float32 logits (way: fp32out); the trainer: {DT_KEY} is 'fp32out', held "
+        "to the same switch by the config guard",
+    ]
+
+
+def test_a_dtensor_disagreement_names_the_dtensor_key():
+    settings = check_config(dtensor_master("fp32out", fp32_lm_head=True), where="driver", environ={})
+    with pytest.raises(Fp32LmHeadMismatchError, match=f"computes bfloat16 logits while {DT_KEY}='fp32out'"):
+        check_probe_reports([report(), OFF], settings)
+
+
+def test_one_side_alone_accepted_warns_and_the_probe_holds_vllm_to_its_switch(caplog, info_lines):
+    cfg = dtensor_master(None, fp32_lm_head=True)
+    cfg["policy"]["allow_one_sided_fp32_lm_head"] = True
+    settings = check_config(cfg, where="driver", environ={})
+    assert settings.one_sided and settings.vllm_on and settings.trainer is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("fp32patch (driver): policy.generation.vllm_cfg.fp32_lm_head")
+    assert "accepted by policy.allow_one_sided_fp32_lm_head" in warnings[0]
+    check_probe_reports([report()], settings)  # vLLM fp32, as its switch asks: no mismatch
+    with pytest.raises(Fp32LmHeadMismatchError):
+        check_probe_reports([OFF], settings)
+    check_probe_reports([report()], "fp32", asked_by="policy.generation.vllm_cfg.fp32_lm_head=True")
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos[-1].endswith(
+        f"the trainer: {DT_KEY} is off (one side alone, accepted by policy.allow_one_sided_fp32_lm_head)"
+    )

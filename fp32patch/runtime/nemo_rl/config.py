@@ -1,44 +1,49 @@
-"""Refuse NeMo-RL policy configs that would run the fp32 LM head on one engine only.
+"""Refuse NeMo-RL policy configs that would run the fp32 LM head other than the user meant.
 
-fp32 logits help only when the trainer (Megatron) and the generator (vLLM) both have
-them: one side alone makes the train/generation mismatch worse. So
-``validate_fp32_lm_head_config(policy_cfg)`` raises ``Fp32LmHeadConfigError`` unless
+The trainer's switch is the enabled backend's: ``megatron_cfg.fp32_lm_head`` (Megatron) or
+``dtensor_cfg.fp32_lm_head`` (DTensor v1 and v2), each one of false, true, "fp32", "tf32",
+"fp32out", "fp32out-hilo", "fp32out-bf16grad" (missing or null: false; the string "false" and
+"TF32" are errors, never quietly off). vLLM's switch is ``generation.vllm_cfg.fp32_lm_head``
+(true/false, or the way: "fp32out", "copy"; upstream NeMo-RL's key since 2026-08-31) or, the
+older spelling, ``NRL_VLLM_FP32_LM_HEAD`` in ``generation.vllm_cfg.env_vars`` ("1", "fp32out",
+"copy"; "0" or unset is off), else in the driver's environment. ``validate_fp32_lm_head_config``
+raises ``Fp32LmHeadConfigError`` unless
 
-- ``megatron_cfg.fp32_lm_head`` is one of false, true, "fp32", "tf32", "fp32out",
-  "fp32out-hilo", "fp32out-bf16grad" (missing or null: false). The string "false" and "TF32" are errors,
-  never quietly off;
-- it is off when ``megatron_cfg.enabled`` is false (nothing would apply it) and when
-  ``megatron_cfg.use_fused_linear_logprobs`` is true (that path computes log-probs from
-  the hidden states and the output weight directly, bypassing the output layer);
-- when generation runs vLLM (``generation.backend`` "vllm", or "dynamo", whose managed
-  fleet is vLLM started with the same ``vllm_cfg.env_vars``), ``NRL_VLLM_FP32_LM_HEAD``
-  is on ("1", "fp32out", "copy") exactly when Megatron's switch is on, and is otherwise
-  unset or "0". Other backends (and no ``generation`` section) skip this rule.
+- the trainer's switch sits under the backend that trains: a switch under a disabled backend
+  (``megatron_cfg.enabled: false``, or the other backend enabled) is an error naming the
+  enabled one, since nothing would apply it;
+- Megatron's is off when ``megatron_cfg.use_fused_linear_logprobs`` is true (that path computes
+  log-probs from the hidden states and the output weight directly, bypassing the output layer);
+- when generation runs vLLM (``generation.backend`` "vllm", or "dynamo", whose managed fleet is
+  vLLM started with the same ``vllm_cfg``), vLLM's switch is on exactly when the trainer's is,
+  unless ``policy.allow_one_sided_fp32_lm_head: true`` accepts one side alone (with a warning
+  that quotes the measurement: bench/RESULTS.md, the agreement of two engines). Other backends
+  (and no ``generation`` section) skip this rule. The two vLLM spellings, where both are given,
+  must agree.
 
-The vLLM value is read as NeMo-RL passes it to the workers: ``str()`` of the YAML value
-in ``generation.vllm_cfg.env_vars`` (so ``1`` and ``0`` work, while YAML ``true`` becomes
-"True" and is refused), else the driver's environment, which NeMo-RL copies into
-workers that the config does not override. Missing sections are empty.
+The env var is read as NeMo-RL passes it to the workers: ``str()`` of the YAML value (so ``1``
+and ``0`` work, while YAML ``true`` becomes "True" and is refused). Missing sections are empty.
 
 A key that looks like one of the switches but is not spelled as it (``fp32_lm_heads``,
-``fp32LmHead`` or ``fp32_lm_head`` one level too high under ``megatron_cfg``; a misspelt
-``NRL_VLLM_FP32_LM_HEAD`` in ``env_vars``) is an error naming the right key: NeMo-RL keeps
-unknown keys without a word, so a near miss would silently mean "off".
+``fp32LmHead`` or ``fp32_lm_head`` one level too high; a misspelt ``NRL_VLLM_FP32_LM_HEAD`` in
+``env_vars``) is an error naming the right key: NeMo-RL keeps unknown keys without a word, so
+a near miss would silently mean "off".
 
 ``check_config(cfg, where=...)`` is what NeMo-RL's patched files call: the same guard on the
 master config or its ``policy`` section, as a dict or a pydantic model (NeMo-RL's
 ``MasterConfig`` is pydantic with ``extra="allow"``: it keeps a misspelt key without a word,
 so this check is the one that sees it), plus ``megatron_cfg.fp32_residual_connection`` (a
-boolean, not also set in ``megatron_cfg.model_overrides``); its messages name the caller.
-Pure Python.
+boolean, not also set in ``megatron_cfg.model_overrides``); its messages name the caller, and
+it logs the warnings (one side alone, the older vLLM spelling). Pure Python.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
@@ -52,25 +57,68 @@ from fp32patch.runtime.modes import (
     megatron_mode,
 )
 
-# The switch as NeMo-RL's messages name it.
+# The switches as NeMo-RL's messages name them.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"
 DTENSOR_KEY = "policy.dtensor_cfg.fp32_lm_head"
+VLLM_KEY = "policy.generation.vllm_cfg.fp32_lm_head"
 RESIDUAL = "fp32_residual_connection"
+# The trainer backends NeMo-RL chooses between (lm_policy: Megatron if enabled, else DTensor).
+TRAINER_SECTIONS: tuple[str, ...] = ("megatron_cfg", "dtensor_cfg")
+BACKEND_NAMES = {"megatron_cfg": "Megatron", "dtensor_cfg": "DTensor"}
+# The explicit opt-in to fp32 logits on one engine only, under policy.
+ONE_SIDED_KEY = "allow_one_sided_fp32_lm_head"
 
-# Generation backends that start vLLM with generation.vllm_cfg.env_vars.
+# Generation backends that start vLLM with generation.vllm_cfg.
 VLLM_BACKENDS = ("vllm", "dynamo")
+
+# What bench/agreement.py measured (H200, 2026-12-01; bench/RESULTS.md, "Train/generation
+# agreement of two engines"), quoted by the refusal and the opt-in's warning.
+ONE_SIDED_EVIDENCE = (
+    "measured (bench/RESULTS.md, two engines on an H200, NeMo-RL's token_mult_prob_error): fp32 "
+    "on both sides is best everywhere (trained 135M model: 1.01202 against 1.01444 for neither); "
+    "one side alone is at most ~8e-4 better than neither where the engines' own divergence "
+    "exceeds the head's rounding (1.01391), and worse, by up to one head's whole rounding, where "
+    "the rounding dominates: NeMo-RL's fleet (#3936) read 1.035 one-sided against 1.029 for "
+    "neither and 1.015 for both"
+)
+
+logger = logging.getLogger("nemo_rl.fp32patch")
 
 
 @dataclass(frozen=True)
 class Fp32LmHeadSettings:
     """What a valid config asks for.
 
-    ``megatron`` is the mode to hand to ``apply_fp32_lm_head`` (None: off). ``vllm`` is the
-    ``NRL_VLLM_FP32_LM_HEAD`` value vLLM will see (None: unset, or generation is not vLLM).
+    ``megatron`` / ``dtensor``: the mode to hand to that backend's ``apply_fp32_lm_head``
+    (None: off). ``vllm``: the ``NRL_VLLM_FP32_LM_HEAD`` value vLLM's workers are to see (None:
+    unset, or generation is not vLLM). ``one_sided``: the config gives fp32 logits to one
+    engine only, accepted by ``policy.allow_one_sided_fp32_lm_head``. ``notes``: warnings for
+    the log (not part of equality).
     """
 
     megatron: str | None
     vllm: str | None
+    dtensor: str | None = None
+    one_sided: bool = False
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    # the trainer's section ("megatron_cfg", "dtensor_cfg"), where the config says which trains
+    section: str | None = field(default=None, compare=False)
+
+    @property
+    def trainer(self) -> str | None:
+        """The trainer's mode, whichever backend runs it (None: off)."""
+        return self.megatron or self.dtensor
+
+    @property
+    def trainer_key(self) -> str:
+        """The trainer's switch as the messages name it."""
+        if self.dtensor is not None or (self.megatron is None and self.section == "dtensor_cfg"):
+            return DTENSOR_KEY
+        return MEGATRON_KEY
+
+    @property
+    def vllm_on(self) -> bool:
+        return self.vllm in VLLM_ON_VALUES
 
 
 def validate_fp32_lm_head_config(
@@ -82,35 +130,45 @@ def validate_fp32_lm_head_config(
     their own. Raises ``Fp32LmHeadConfigError`` naming the key and the valid values.
     """
     cfg, prefix = _policy(cfg)
-    megatron = _section(cfg, "megatron_cfg", prefix)
-    _refuse_near_misses(cfg, megatron, prefix)
-    mode = _megatron_mode(megatron, prefix)
-    if mode is not None:
-        _check_megatron_applies(megatron, prefix)
+    sections = {name: _section(cfg, name, prefix) for name in TRAINER_SECTIONS}
+    _refuse_near_misses(cfg, sections, prefix)
+    modes = {name: _trainer_mode(section, name, prefix) for name, section in sections.items()}
+    trainer = _trainer_section(sections, modes, prefix)
+    if modes["megatron_cfg"] is not None:
+        _check_not_fused(sections["megatron_cfg"], prefix)
+    if trainer is None and "enabled" in sections["megatron_cfg"] and not sections["megatron_cfg"]["enabled"]:
+        trainer = "dtensor_cfg"  # NeMo-RL's other trainer
+    mode = modes[trainer] if trainer is not None else None
+    allow = _one_sided_allowed(cfg, prefix)
+    settings = {"megatron": modes["megatron_cfg"], "dtensor": modes["dtensor_cfg"], "section": trainer}
 
     generation = _section(cfg, "generation", prefix)
-    backend = generation.get("backend")
-    if backend not in VLLM_BACKENDS:
-        return Fp32LmHeadSettings(megatron=mode, vllm=None)
-    vllm, source = _vllm_value(generation, prefix, os.environ if environ is None else environ)
+    if generation.get("backend") not in VLLM_BACKENDS:
+        return Fp32LmHeadSettings(vllm=None, **settings)
+    vllm, source, notes = _vllm_value(generation, prefix, os.environ if environ is None else environ)
     vllm_on = vllm in VLLM_ON_VALUES
-    key = f"{prefix}megatron_cfg.fp32_lm_head"
-    if mode is not None and not vllm_on:
+    if (mode is not None) == vllm_on:
+        return Fp32LmHeadSettings(vllm=vllm, notes=notes, **settings)
+    # one engine alone
+    key = f"{prefix}{trainer or 'megatron_cfg'}.fp32_lm_head"
+    opt_in = f"{prefix}{ONE_SIDED_KEY}"
+    if mode is not None:
         seen = "is not set" if vllm is None else f'is "{vllm}"'
-        raise Fp32LmHeadConfigError(
-            f"{key} is {mode!r} but {source} {seen}: vLLM would still round its logits to "
-            "bf16, and fp32 logits on the trainer alone make the train/generation mismatch "
-            f"worse. Set {prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR} to one of "
-            f"{_quoted(VLLM_ON_VALUES)}, or set {key} to false"
+        what = (
+            f"{key} is {mode!r} but {source} {seen}: vLLM would still round its logits to bf16 "
+            "(fp32 logits on the trainer only)"
         )
-    if mode is None and vllm_on:
+        fix = f"Set {prefix}generation.vllm_cfg.fp32_lm_head to true, or {key} to false"
+    else:
+        what = f'{source} is "{vllm}" but {key} is off: the trainer would still round its logits to bf16 (fp32 logits on vLLM only)'
+        fix = f"Set {key} to one of {_quoted(MEGATRON_MODES)} (or true), or turn vLLM's switch off"
+    if not allow:
         raise Fp32LmHeadConfigError(
-            f'{source} is "{vllm}" but {key} is off: Megatron would still round its logits '
-            "to bf16, and fp32 logits on vLLM alone make the train/generation mismatch "
-            f"worse. Set {key} to one of {_quoted(MEGATRON_MODES)} (or true), or unset "
-            f"{VLLM_ENV_VAR}"
+            f"{what}. One side alone is refused unless asked for: {ONE_SIDED_EVIDENCE}. {fix}; or, "
+            f"to accept one side alone (e.g. a trainer fp32patch cannot wire), set {opt_in}: true"
         )
-    return Fp32LmHeadSettings(megatron=mode, vllm=vllm)
+    warning = f"{what}, accepted by {opt_in}: {ONE_SIDED_EVIDENCE}. Compare a both-sides run if you can"
+    return Fp32LmHeadSettings(vllm=vllm, one_sided=True, notes=(*notes, warning), **settings)
 
 
 def _policy(cfg: Any) -> tuple[Mapping[str, Any], str]:
@@ -132,8 +190,8 @@ def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, A
     return value
 
 
-def _megatron_mode(megatron: Mapping[str, Any], prefix: str) -> str | None:
-    raw = megatron.get("fp32_lm_head")
+def _trainer_mode(section: Mapping[str, Any], name: str, prefix: str) -> str | None:
+    raw = section.get("fp32_lm_head")
     try:
         return megatron_mode(raw)
     except ValueError:
@@ -143,19 +201,53 @@ def _megatron_mode(megatron: Mapping[str, Any], prefix: str) -> str | None:
         elif isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
             hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
         raise Fp32LmHeadConfigError(
-            f"{prefix}megatron_cfg.fp32_lm_head = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
+            f"{prefix}{name}.fp32_lm_head = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
         ) from None
 
 
-def _check_megatron_applies(megatron: Mapping[str, Any], prefix: str) -> None:
-    """Refuse an fp32 head that nothing would apply."""
-    key = f"{prefix}megatron_cfg"
-    if "enabled" in megatron and not megatron["enabled"]:
+def _enabled_backend(sections: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The section of the backend that trains, as NeMo-RL chooses it (None: the config does not say)."""
+    megatron, dtensor = sections["megatron_cfg"], sections["dtensor_cfg"]
+    if megatron.get("enabled"):
+        return "megatron_cfg"
+    if dtensor.get("enabled"):
+        return "dtensor_cfg"
+    return None
+
+
+def _trainer_section(
+    sections: Mapping[str, Mapping[str, Any]], modes: Mapping[str, str | None], prefix: str
+) -> str | None:
+    """The section whose switch is the trainer's; refuses a switch that nothing would apply."""
+    enabled = _enabled_backend(sections)
+    asked = [name for name in TRAINER_SECTIONS if modes[name] is not None]
+    for name in asked:
+        section = sections[name]
+        if enabled is not None and name != enabled:
+            raise Fp32LmHeadConfigError(
+                f"{prefix}{name}.fp32_lm_head is on but the policy trains with {BACKEND_NAMES[enabled]} "
+                f"({prefix}{enabled}.enabled is true), so nothing would apply it and the trainer's "
+                f"logits would stay bf16. Move the switch to {prefix}{enabled}.fp32_lm_head"
+            )
+        if "enabled" in section and not section["enabled"]:
+            raise Fp32LmHeadConfigError(
+                f"{prefix}{name}.fp32_lm_head is on but {prefix}{name}.enabled is {section['enabled']!r}: the "
+                f"policy does not train with {BACKEND_NAMES[name]}, so its logits would stay bf16. Set the "
+                "switch of the backend that trains ("
+                + " or ".join(f"{prefix}{n}.fp32_lm_head" for n in TRAINER_SECTIONS)
+                + "), or set this one to false"
+            )
+    if len(asked) > 1:
         raise Fp32LmHeadConfigError(
-            f"{key}.fp32_lm_head is on but {key}.enabled is {megatron['enabled']!r}: the "
-            "policy does not train with Megatron, so its logits would stay bf16. Set "
-            f"{key}.fp32_lm_head to false (and unset {VLLM_ENV_VAR})"
+            f"both {prefix}megatron_cfg.fp32_lm_head and {prefix}dtensor_cfg.fp32_lm_head are on, and the "
+            "config does not say which backend trains: keep the switch of the enabled backend only"
         )
+    return asked[0] if asked else enabled
+
+
+def _check_not_fused(megatron: Mapping[str, Any], prefix: str) -> None:
+    """Refuse an fp32 output layer that Megatron's fused log-prob path would bypass."""
+    key = f"{prefix}megatron_cfg"
     fused = megatron.get("use_fused_linear_logprobs", False)
     if fused:
         raise Fp32LmHeadConfigError(
@@ -164,6 +256,16 @@ def _check_megatron_applies(megatron: Mapping[str, Any], prefix: str) -> None:
             "output weight directly, so the fp32 output layer would never run. Set "
             f"{key}.use_fused_linear_logprobs to false, or {key}.fp32_lm_head to false"
         )
+
+
+def _one_sided_allowed(policy: Mapping[str, Any], prefix: str) -> bool:
+    value = policy.get(ONE_SIDED_KEY, False)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    hint = " (a quoted string is not a boolean)" if isinstance(value, str) else ""
+    raise Fp32LmHeadConfigError(
+        f"{prefix}{ONE_SIDED_KEY} = {value!r} is not valid{hint}: write true or false without quotes"
+    )
 
 
 MEGATRON_KEY_NAME = "fp32_lm_head"
@@ -178,7 +280,7 @@ def _normalised(key: str) -> str:
 def _near_miss(key: object, right: str) -> bool:
     """``key`` looks like ``right`` but is not it: another case or separator, a letter more or
     less, or any spelling with "fp32", "lm" and "head" in it (NeMo-RL's patched files take a
-    megatron_cfg key starting "fp32" with "lm" and "head" in it as asking for fp32patch)."""
+    trainer-section key starting "fp32" with "lm" and "head" in it as asking for fp32patch)."""
     if not isinstance(key, str) or key == right:
         return False
     got, want = _normalised(key), _normalised(right)
@@ -189,53 +291,95 @@ def _near_miss(key: object, right: str) -> bool:
     return difflib.SequenceMatcher(None, got, want).ratio() >= _CLOSENESS
 
 
-def _refuse_near_misses(policy: Mapping[str, Any], megatron: Mapping[str, Any], prefix: str) -> None:
-    right = f"{prefix}megatron_cfg.{MEGATRON_KEY_NAME}"
-    for key in megatron:
-        if _near_miss(key, MEGATRON_KEY_NAME):
-            raise Fp32LmHeadConfigError(
-                f"{prefix}megatron_cfg.{key} is not a key fp32patch or NeMo-RL reads: did you mean "
-                f"{right}? NeMo-RL keeps unknown keys without a word, so this one would leave "
-                f"Megatron's logits in bf16. Rename it to {right} (valid values: {MEGATRON_VALUES_TEXT})"
-            )
-    for key in policy:
-        if key == MEGATRON_KEY_NAME or _near_miss(key, MEGATRON_KEY_NAME):
-            raise Fp32LmHeadConfigError(
-                f"{prefix}{key} is in the wrong place: the switch is {right} (under megatron_cfg), "
-                "and NeMo-RL ignores this key without a word"
-            )
+def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mapping[str, Any]], prefix: str) -> None:
     generation = policy.get("generation")
     vllm_cfg = generation.get("vllm_cfg") if isinstance(generation, Mapping) else None
+    places = {**sections, "generation.vllm_cfg": vllm_cfg if isinstance(vllm_cfg, Mapping) else {}}
+    for place, section in places.items():
+        right = f"{prefix}{place}.{MEGATRON_KEY_NAME}"
+        for key in section:
+            if _near_miss(key, MEGATRON_KEY_NAME):
+                raise Fp32LmHeadConfigError(
+                    f"{prefix}{place}.{key} is not a key fp32patch or NeMo-RL reads: did you mean "
+                    f"{right}? NeMo-RL keeps unknown keys without a word, so this one would leave "
+                    f"the logits in bf16. Rename it to {right}"
+                )
+    for key in policy:
+        if key == ONE_SIDED_KEY:
+            continue
+        if key == MEGATRON_KEY_NAME or _near_miss(key, MEGATRON_KEY_NAME):
+            raise Fp32LmHeadConfigError(
+                f"{prefix}{key} is in the wrong place: the switches are "
+                + ", ".join(f"{prefix}{place}.{MEGATRON_KEY_NAME}" for place in places)
+                + ", and NeMo-RL ignores this key without a word"
+            )
     env_vars = vllm_cfg.get("env_vars") if isinstance(vllm_cfg, Mapping) else None
     for key in env_vars if isinstance(env_vars, Mapping) else ():
         if _near_miss(key, VLLM_ENV_VAR):
             raise Fp32LmHeadConfigError(
                 f"{prefix}generation.vllm_cfg.env_vars.{key} is not the variable vLLM's patched "
-                f"files read: did you mean {VLLM_ENV_VAR}? Rename it to "
-                f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
+                f"files read: did you mean {VLLM_ENV_VAR}? Better, use "
+                f"{prefix}generation.vllm_cfg.fp32_lm_head: true"
             )
 
 
-def _vllm_value(generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]) -> tuple[str | None, str]:
-    """The value vLLM's workers will see for the switch, and where it comes from."""
+# generation.vllm_cfg.fp32_lm_head -> the NRL_VLLM_FP32_LM_HEAD value it stands for
+_VLLM_KEY_VALUES: dict[object, str] = {True: "1", False: "0", "fp32out": "fp32out", "copy": "copy"}
+
+
+def _vllm_value(
+    generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]
+) -> tuple[str | None, str, tuple[str, ...]]:
+    """The value vLLM's workers will see for the switch, where it comes from, and notes for the log."""
     vllm_cfg = _section(generation, "vllm_cfg", f"{prefix}generation.")
     env_vars = _section(vllm_cfg, "env_vars", f"{prefix}generation.vllm_cfg.")
+    key = f"{prefix}generation.vllm_cfg.fp32_lm_head"
+    from_key = None
+    if vllm_cfg.get("fp32_lm_head") is not None:
+        raw = vllm_cfg["fp32_lm_head"]
+        if isinstance(raw, (bool, str)) and raw in _VLLM_KEY_VALUES:
+            from_key = _VLLM_KEY_VALUES[raw]
+        else:
+            hint = (
+                " (a quoted string is not a boolean: write true or false without quotes)"
+                if isinstance(raw, str)
+                else ""
+            )
+            raise Fp32LmHeadConfigError(
+                f'{key} = {raw!r} is not valid{hint}; valid values: false, true, "fp32out", "copy"'
+            )
     if VLLM_ENV_VAR in env_vars:
         raw = env_vars[VLLM_ENV_VAR]
         source = f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
         value = str(raw)  # what NeMo-RL hands to the workers
-    elif VLLM_ENV_VAR in environ:
+    elif VLLM_ENV_VAR in environ and from_key is None:
         raw = value = environ[VLLM_ENV_VAR]
         source = f"the environment variable {VLLM_ENV_VAR}"
     else:
-        return None, f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
+        return from_key, key, ()
     if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
         hint = ""
         if isinstance(raw, bool) or raw is None:
             spelled = {True: "true", False: "false", None: "null"}[raw]
             hint = f' (YAML {spelled} reaches vLLM as the string "{value}"; write 1 or 0)'
         raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}")
-    return value, source
+    if from_key is None:
+        notes: tuple[str, ...] = ()
+        if source.startswith(prefix + "generation"):
+            notes = (
+                f"{source} is the older spelling of vLLM's switch: NeMo-RL since 2026-08-31 reserves that "
+                f"variable and refuses it in env_vars; write {key}: "
+                + ("true" if value == "1" else "false" if value == "0" else f'"{value}"')
+                + " instead (fp32patch accepts it on every NeMo-RL checkout)",
+            )
+        return value, source, notes
+    if (from_key in VLLM_ON_VALUES) != (value in VLLM_ON_VALUES):
+        raise Fp32LmHeadConfigError(
+            f"{key} = {vllm_cfg['fp32_lm_head']!r} and {source} = {raw!r} disagree: keep {key} and remove "
+            f"{VLLM_ENV_VAR} from env_vars"
+        )
+    # both on: the variable may name the way ("copy") where the key says only true
+    return (value if from_key == "1" else from_key), key, ()
 
 
 def _quoted(values: tuple[str, ...]) -> str:
@@ -260,7 +404,20 @@ def check_config(cfg: Any, *, where: str, environ: Mapping[str, str] | None = No
         _check_residual(policy)
     except Fp32LmHeadConfigError as exc:
         raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
+    for note in settings.notes:
+        logger.warning("fp32patch (%s): %s", where, note)
+    _CHECKED[where] = settings
     return settings
+
+
+# What check_config last found in this process, by caller: the driver's probe verdict names
+# the trainer's switch from it (the driver's vLLM generation holds only the generation config).
+_CHECKED: dict[str, Fp32LmHeadSettings] = {}
+
+
+def checked_settings(where: str = "driver") -> Fp32LmHeadSettings | None:
+    """The settings ``check_config(..., where=where)`` last returned in this process, if any."""
+    return _CHECKED.get(where)
 
 
 def plain(value: Any) -> Any:

@@ -15,7 +15,13 @@ from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
 from fp32patch.runtime.modes import VLLM_ENV_VAR, megatron_mode
-from fp32patch.runtime.nemo_rl.config import MEGATRON_KEY, Fp32LmHeadSettings
+from fp32patch.runtime.nemo_rl.config import (
+    DTENSOR_KEY,
+    MEGATRON_KEY,
+    ONE_SIDED_KEY,
+    Fp32LmHeadSettings,
+    checked_settings,
+)
 
 # The method NeMo-RL's patched vLLM worker extension gets; the driver calls it by this name
 # through NeMo-RL's collective_rpc.
@@ -43,12 +49,17 @@ def check_probe_reports(
     then say what asked, not a Megatron mode the caller does not know.
     """
     if isinstance(settings_or_mode, Fp32LmHeadSettings):
-        mode = settings_or_mode.megatron
+        mode, key = settings_or_mode.trainer, settings_or_mode.trainer_key
+        expect_fp32 = settings_or_mode.vllm_on if settings_or_mode.vllm is not None else mode is not None
     else:
         try:
             mode = megatron_mode(settings_or_mode)
         except ValueError as exc:
             raise Fp32LmHeadConfigError(f"fp32patch ({where}): {MEGATRON_KEY}: {exc}") from None
+        key, expect_fp32 = MEGATRON_KEY, mode is not None
+        recorded = checked_settings(where) if asked_by is not None else None
+        if recorded is not None:  # the guard's verdict in this process knows the trainer's backend
+            key = recorded.trainer_key
     flat = _flatten(reports)
     if not flat:
         raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
@@ -58,43 +69,39 @@ def check_probe_reports(
             bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
             continue
         dtype = report.get("dtype")
-        if (mode is not None and dtype != "float32") or (mode is None and dtype == "float32"):
-            bad.append((index, report, _disagreement(index, report, mode, asked_by)))
+        if (expect_fp32 and dtype != "float32") or (not expect_fp32 and dtype == "float32"):
+            bad.append((index, report, _disagreement(index, report, mode if expect_fp32 else None, key, asked_by)))
     if bad:
-        if mode is not None:
-            why = (
-                "Megatron would train on fp32 logits and vLLM generate from bf16 ones, which makes "
-                "the train/generation mismatch worse than both off"
-            )
+        if expect_fp32:
+            why = "vLLM's switch asks every worker for fp32 logits, and these would generate from bf16 ones"
         else:
-            why = (
-                "vLLM would generate from fp32 logits and Megatron train on bf16 ones, which makes "
-                "the train/generation mismatch worse than both off"
-            )
+            why = "vLLM's switch is off, and these workers would generate from fp32 logits all the same"
         lines = [f"fp32patch ({where}): the fp32 LM head is not on in both engines alike:"]
         lines += [f"  {reason}" for _, _, reason in bad]
-        lines.append(f"{why}. Fix the worker(s) above, or turn both switches off.")
+        lines.append(f"{why}: a mix the config did not ask for. Fix the worker(s) above, or turn both switches off.")
         raise Fp32LmHeadMismatchError("\n".join(lines), bad)
     ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
     dtypes = ", ".join(sorted({str(r.get("dtype")) for r in flat}))
     if asked_by is not None:
         logger.info(
             "fp32patch (%s): LM head fp32 %s in every vLLM worker, as %s asks: %d vLLM worker(s) compute %s "
-            "logits (%s); the config guard holds %s to the same switch",
+            "logits (%s); %s",
             where,
-            "on" if mode is not None else "off",
+            "on" if expect_fp32 else "off",
             asked_by,
             len(flat),
             dtypes,
-            "way: " + ways if mode is not None else "stock",
-            MEGATRON_KEY,
+            "way: " + ways if expect_fp32 else "stock",
+            _trainer_said(checked_settings(where)),
         )
-    elif mode is not None:
+    elif mode is not None or expect_fp32:
         logger.info(
-            "fp32patch (%s): LM head fp32 in both engines: Megatron fp32_lm_head=%r, %d vLLM worker(s) "
-            "compute float32 logits (way: %s)",
+            "fp32patch (%s): LM head fp32 in %s: %s, %d vLLM worker(s) compute float32 logits (way: %s)",
             where,
-            mode,
+            "both engines" if mode is not None else "vLLM only",
+            f"{_backend(key)} fp32_lm_head={mode!r}"
+            if mode is not None
+            else f"the trainer's head is bf16 ({ONE_SIDED_KEY})",
             len(flat),
             ways,
         )
@@ -107,13 +114,31 @@ def check_probe_reports(
         )
 
 
+def _backend(key: str) -> str:
+    return "DTensor" if key == DTENSOR_KEY else "Megatron"
+
+
+def _trainer_said(settings: Fp32LmHeadSettings | None) -> str:
+    """What the probe's line says of the trainer, from the guard's verdict in this process."""
+    if settings is None:
+        return f"the config guard holds the trainer's switch ({MEGATRON_KEY} or {DTENSOR_KEY}) to the same switch"
+    if settings.trainer is None:
+        state = "off"
+    else:
+        state = f"{settings.trainer!r}"
+    said = f"the trainer: {settings.trainer_key} is {state}"
+    if settings.one_sided:
+        return said + f" (one side alone, accepted by policy.{ONE_SIDED_KEY})"
+    return said + ", held to the same switch by the config guard"
+
+
 def _flatten(reports: Any) -> list[Any]:
     if isinstance(reports, (list, tuple)):
         return [item for nested in reports for item in _flatten(nested)]
     return [reports]
 
 
-def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked_by: str | None) -> str:
+def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, key: str, asked_by: str | None) -> str:
     host, pid, dtype = report.get("host", "?"), report.get("pid", "?"), report.get("dtype")
     env, way, reason = report.get("env"), report.get("way"), report.get("reason") or ""
     worker = f"vLLM worker {index} (host {host}, pid {pid})"
@@ -121,7 +146,7 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked
     if asked_by is not None:
         asking = asked_by
     else:
-        asking = f"{MEGATRON_KEY}={mode!r}" if mode is not None else f"{MEGATRON_KEY} is off"
+        asking = f"{key}={mode!r}" if mode is not None else f"{key} is off"
     if dtype is None:
         return f"{worker} computes no logits while {asking}: {reason}"
     if mode is not None:
@@ -142,5 +167,5 @@ def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, asked
         return said + f"the way is {way}: {reason}"
     said = f"{worker} computes float32 logits while {asking}: "
     if env is not None and env.strip() not in ("", "0"):
-        return said + f"{VLLM_ENV_VAR}={env!r} in that process (unset it, or turn {MEGATRON_KEY} on)"
+        return said + f"{VLLM_ENV_VAR}={env!r} in that process (unset it, or turn {key} on)"
     return said + f"the way is {way}: {reason}"
