@@ -107,7 +107,7 @@ VALID = [
     # DTensor (v1 and v2): its own switch, held to vLLM's.
     pytest.param(policy(enabled=False, dtensor=dtensor("fp32out"), vllm=True), dt("fp32out", "1"), id="dt-fp32out"),
     pytest.param(policy(enabled=False, dtensor=dtensor(True), env="copy"), dt("fp32", "copy"), id="dt-true-env"),
-    pytest.param(policy(dtensor=dtensor("tf32", _v2=False), vllm="fp32out"), dt("tf32", "fp32out"), id="dt-v1"),
+    pytest.param(policy(dtensor=dtensor("tf32", _v2=False), vllm=True), dt("tf32", "1"), id="dt-v1"),
     pytest.param(policy(enabled=False, dtensor=dtensor(False), vllm=False), dt(None, "0"), id="dt-both-off"),
     pytest.param(policy(enabled=False, dtensor=dtensor()), dt(None, None), id="dt-unset"),
     pytest.param(
@@ -115,7 +115,6 @@ VALID = [
     ),
     # vLLM's switch as upstream NeMo-RL spells it since 2026-08-31, with Megatron.
     pytest.param(policy(True, vllm=True), Fp32LmHeadSettings("fp32", "1"), id="vllm-key-true"),
-    pytest.param(policy("fp32out", vllm="copy"), Fp32LmHeadSettings("fp32out", "copy"), id="vllm-key-copy"),
     pytest.param(policy(False, vllm=False), Fp32LmHeadSettings(None, "0"), id="vllm-key-false"),
     pytest.param(policy(vllm=None), Fp32LmHeadSettings(None, None), id="vllm-key-null"),
     # both spellings, agreeing: the variable may name the way
@@ -234,7 +233,8 @@ INVALID = [
         policy(True, vllm="true"), ["vllm_cfg.fp32_lm_head = 'true' is not valid", "without quotes"], id="vk-str"
     ),
     pytest.param(policy(True, vllm=1), ["vllm_cfg.fp32_lm_head = 1 is not valid"], id="vk-int"),
-    pytest.param(policy(True, vllm="tf32"), ["'tf32' is not valid", '"fp32out", "copy"'], id="vk-tf32"),
+    pytest.param(policy(True, vllm="tf32"), ["'tf32' is not valid", "valid values: false, true"], id="vk-tf32"),
+    pytest.param(policy(True, vllm="copy"), ["'copy' is not valid", "NRL_VLLM_FP32_LM_HEAD's to choose"], id="vk-way"),
     pytest.param(
         policy(True, "0", vllm=True),
         ["vllm_cfg.fp32_lm_head = True and", "env_vars.NRL_VLLM_FP32_LM_HEAD = '0' disagree"],

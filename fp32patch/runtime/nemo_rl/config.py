@@ -4,7 +4,7 @@ The trainer's switch is the enabled backend's: ``megatron_cfg.fp32_lm_head`` (Me
 ``dtensor_cfg.fp32_lm_head`` (DTensor v1 and v2), each one of false, true, "fp32", "tf32",
 "fp32out", "fp32out-hilo", "fp32out-bf16grad" (missing or null: false; the string "false" and
 "TF32" are errors, never quietly off). vLLM's switch is ``generation.vllm_cfg.fp32_lm_head``
-(true/false, or the way: "fp32out", "copy"; upstream NeMo-RL's key since 2026-08-31) or, the
+(true/false; upstream NeMo-RL's key since 2026-08-31) or, the
 older spelling, ``NRL_VLLM_FP32_LM_HEAD`` in ``generation.vllm_cfg.env_vars`` ("1", "fp32out",
 "copy"; "0" or unset is off), else in the driver's environment. ``validate_fp32_lm_head_config``
 raises ``Fp32LmHeadConfigError`` unless
@@ -323,8 +323,10 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
             )
 
 
-# generation.vllm_cfg.fp32_lm_head -> the NRL_VLLM_FP32_LM_HEAD value it stands for
-_VLLM_KEY_VALUES: dict[object, str] = {True: "1", False: "0", "fp32out": "fp32out", "copy": "copy"}
+# generation.vllm_cfg.fp32_lm_head -> the NRL_VLLM_FP32_LM_HEAD value it stands for. A boolean
+# only, as upstream NeMo-RL types it (its worker sets "1" for any true value), so that one YAML
+# means the same on every checkout; the way ("copy") is chosen by the variable, where it may be.
+_VLLM_KEY_VALUES: dict[bool, str] = {True: "1", False: "0"}
 
 
 def _vllm_value(
@@ -337,7 +339,7 @@ def _vllm_value(
     from_key = None
     if vllm_cfg.get("fp32_lm_head") is not None:
         raw = vllm_cfg["fp32_lm_head"]
-        if isinstance(raw, (bool, str)) and raw in _VLLM_KEY_VALUES:
+        if isinstance(raw, bool):
             from_key = _VLLM_KEY_VALUES[raw]
         else:
             hint = (
@@ -346,7 +348,8 @@ def _vllm_value(
                 else ""
             )
             raise Fp32LmHeadConfigError(
-                f'{key} = {raw!r} is not valid{hint}; valid values: false, true, "fp32out", "copy"'
+                f'{key} = {raw!r} is not valid{hint}; valid values: false, true (the way, e.g. "copy", is '
+                f"{VLLM_ENV_VAR}'s to choose)"
             )
     if VLLM_ENV_VAR in env_vars:
         raw = env_vars[VLLM_ENV_VAR]
