@@ -139,7 +139,10 @@ def refresh(name: str) -> Path:
     extra = _OWN_PINS.get(name, _TEST_DEPS)
     if extra:
         subprocess.run([*pip, "install", "-q", *extra], check=True)
-    frozen = subprocess.run([*pip, "freeze"], check=True, capture_output=True, text=True).stdout
+    # --all: setuptools too (torch 2.14 requires a newer one than a fresh venv carries), but
+    # not pip, which every build upgrades on its own
+    frozen = subprocess.run([*pip, "freeze", "--all"], check=True, capture_output=True, text=True).stdout
+    frozen = "".join(line for line in frozen.splitlines(keepends=True) if not line.lower().startswith("pip=="))
     header = (
         f"# The {name} test environment, as resolved from its recipe in tests/envs/build.py.\n"
         f"# Refresh with: {_refresh_command(name)}\n"
