@@ -71,3 +71,11 @@ def test_an_environment_without_a_lock_is_refused_with_the_command_that_writes_o
 def test_an_unknown_environment_is_refused(envs):
     with pytest.raises(SystemExit, match="unknown test environment 'nope'; known: "):
         envs.build("nope")
+
+
+def test_a_recipes_install_flags_reach_the_build_from_its_lock(envs):
+    # a lock is installed with --no-deps; a flag the recipe needed to resolve (megatron-core
+    # declares a newer Python than some of ours) is needed again to install it
+    for name, steps in envs.RECIPES.items():
+        flags = {arg for step in steps for arg in step if arg == "--ignore-requires-python"}
+        assert flags <= set(envs._LOCK_FLAGS.get(name, [])), name

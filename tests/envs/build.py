@@ -63,6 +63,9 @@ RECIPES: dict[str, list[list[str]]] = {
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}
+# pip flags a build from the lock needs, as the recipe does (megatron-core declares a newer
+# Python than it needs)
+_LOCK_FLAGS: dict[str, list[str]] = {"megatron": ["--ignore-requires-python"]}
 
 
 def cache_root() -> Path:
@@ -119,7 +122,7 @@ def build(name: str) -> Path:
     # The stamp is written last: an environment without it is a half-built one.
     pip = _fresh_venv(target)
     # Every distribution is in the lock at its version: nothing is resolved, nothing newer arrives.
-    subprocess.run([*pip, "install", "-q", "--no-deps", "-r", str(lock)], check=True)
+    subprocess.run([*pip, "install", "-q", "--no-deps", *_LOCK_FLAGS.get(name, []), "-r", str(lock)], check=True)
     subprocess.run([*pip, "check"], check=True, stdout=subprocess.DEVNULL)
     (target / ".fp32patch-lock").write_text(_stamp(name))
     print(f"[envs] {name}: ready at {target}", flush=True)
