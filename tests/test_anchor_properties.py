@@ -817,6 +817,105 @@ def _residual_if() -> ast.stmt:
     return ast.parse(edit.code).body[0]
 
 
+# ---------------------------------------------------------------- nemo-rl-fp32-lm-head on NeMo-RL's DTensor workers
+
+DTENSOR = "nemo_rl/models/policy/workers/dtensor_policy_worker.py"
+DTENSOR_V2 = "nemo_rl/models/policy/workers/dtensor_policy_worker_v2.py"
+# each worker file: its class, the statement the guard comes first or before, the one the wiring follows or precedes
+_WORKERS = {
+    DTENSOR: ("DTensorPolicyWorkerImpl", "if is_tied_lm_head:", "after"),
+    DTENSOR_V2: ("DTensorPolicyWorkerV2Impl", "if init_reference_model:", "before"),
+}
+
+OTHER_CLASS_WITH_INIT = """\
+class _Buffers:
+    def __init__(self):
+        self.items = []
+
+"""
+
+MODULE_LEVEL_NAMESAKES = """\
+def __init__(config, is_tied_lm_head=False, init_reference_model=False):
+    if is_tied_lm_head:
+        pass
+    if init_reference_model:
+        pass
+    runtime_config = validate_and_prepare_config(config)
+    return runtime_config
+
+"""
+
+OTHER_METHOD = """\
+def _rebuild(self, config, is_tied_lm_head=False, init_reference_model=False):
+    if is_tied_lm_head:
+        self.model.tie_weights()
+    if init_reference_model:
+        pass
+    runtime_config = validate_and_prepare_config(config)
+    return runtime_config
+
+"""
+
+
+def _dtensor_mutations(path: str) -> Callable[[Spec], list[Mutation]]:
+    cls, anchor, _ = _WORKERS[path]
+
+    def init(tree: ast.Module) -> ast.AST:
+        return _path(tree, cls, "__init__")
+
+    def anchor_stmt(tree: ast.Module) -> ast.AST:
+        return next(n for n in ast.walk(init(tree)) if isinstance(n, ast.If) and ast.unparse(n).startswith(anchor))
+
+    def mutations(spec: Spec) -> list[Mutation]:
+        return [
+            Mutation("reformat-signature", reformat_signature([init])),
+            Mutation("comment-line", comment_line(init)),
+            Mutation("blank-lines", blank_lines(init)),
+            Mutation("decorator", decorator([init])),
+            Mutation("module-level-namesakes", insert_at(lambda t: _path(t, cls), _block(MODULE_LEVEL_NAMESAKES))),
+            Mutation("other-method", insert_at(init, _block(OTHER_METHOD))),
+            Mutation("marker-strings", marker_strings(spec)),
+            # breaking: which statement is the anchor is never guessed
+            # another class's __init__: v1's guard goes first in "the" __init__ (ambiguous now), v2's
+            # anchors are statements only the worker's __init__ holds
+            Mutation(
+                "other-class-with-init",
+                insert_at(lambda t: _path(t, cls), _block(OTHER_CLASS_WITH_INIT)),
+                breaking=path == DTENSOR,
+            ),
+            Mutation("anchor-twice", insert_at(anchor_stmt, _block(f"{anchor}\n    pass\n")), breaking=True),
+        ]
+
+    return mutations
+
+
+def _dtensor_correct(path: str) -> Callable[[str, str, str], None]:
+    cls, anchor, where = _WORKERS[path]
+
+    def correct(before: str, after: str, args: str) -> None:
+        init = _path(ast.parse(after), cls, "__init__")
+        body = init.body[1:] if ast.get_docstring(init) is not None else init.body
+        texts = [ast.unparse(s) for s in body]
+        guards = [i for i, s in enumerate(texts) if s.startswith("_fp32patch_check_config(config, ")]
+        wires = [i for i, s in enumerate(texts) if s.startswith("self.model = _fp32patch_wire_dtensor(self.model, ")]
+        (anchor_at,) = [i for i, s in enumerate(texts) if s.startswith(anchor)]
+        assert len(guards) == 1 and len(wires) == 1, texts
+        if path == DTENSOR:
+            assert guards == [0]  # first thing in __init__
+        else:
+            assert texts[guards[0] + 1].startswith("runtime_config = validate_and_prepare_config(")
+        assert wires[0] == (anchor_at + 1 if where == "after" else anchor_at - 1)
+        stripper = _StripSetup()
+        stripped = stripper.visit(ast.parse(after))
+        helpers = [
+            n for n in ast.parse(after).body if isinstance(n, ast.FunctionDef) and n.name.startswith("_fp32patch_")
+        ]
+        assert len(stripper.removed) == 2 + len(helpers)
+        assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it should"
+
+    return correct
+
+
 # ---------------------------------------------------------------- the property
 
 
@@ -831,7 +930,7 @@ class Case:
     correct: Callable[[str, str, str], None]
     args: str
     examples: int
-    # a spec over several files: the others, unchanged (the mutated one is its first file)
+    # a spec over several files: the others, unchanged (the mutated one is ``path``)
     others: Callable[[], dict[str, bytes]] | None = None
 
 
@@ -895,6 +994,21 @@ CASES = [
         100,
         others=lambda: {p: t.encode() for p, t in _nemo_rl_checkout().items() if p != SETUP},
     ),
+    *(
+        Case(
+            "nemo-rl-fp32-lm-head",
+            f"nemo-rl-fixture-{label}",
+            lambda path=path: _nemo_rl_checkout()[path],
+            None,
+            path,
+            _dtensor_mutations(path),
+            _dtensor_correct(path),
+            "",
+            24,
+            others=lambda path=path: {p: t.encode() for p, t in _nemo_rl_checkout().items() if p != path},
+        )
+        for label, path in (("dtensor", DTENSOR), ("dtensor-v2", DTENSOR_V2))
+    ),
 ]
 
 
@@ -950,13 +1064,13 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
         breaking = [m.name for m, _ in chosen if m.breaking]
         if breaking:
             assert result.status in ERRORS, (breaking, result.status, result.message)
-            assert f"{spec.id}: cannot patch {case.path}" in result.message
+            assert f"{spec.id}: cannot patch {spec.target.path if others else case.path}" in result.message
             assert result.new is None
         else:
             assert result.status == "applied", ([m.name for m, _ in chosen], result.message)
-            after = result.new.decode()
+            after = (result.files[case.path] if others else result.new).decode()
             compile(after, "patched", "exec", dont_inherit=True)
-            own = [e.id for e in spec.variants[0].edits if e.file == spec.target.files[0][0]]
+            own = [e.id for e in spec.variants[0].edits if spec.target.path_of(e.file) == case.path]
             assert sorted(_own_line_markers(after, spec.id)) == sorted(
                 f"# fp32patch: {spec.id} [{e}]" for e in (own if others else spec.edit_ids)
             )

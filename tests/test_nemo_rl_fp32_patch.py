@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import namedtuple
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -30,6 +31,8 @@ import torch
 
 from tests.fixtures.nemo_rl_shapes import (
     ASYNC_WORKER,
+    DTENSOR,
+    DTENSOR_V2,
     GENERATION,
     MERGED,
     PATCHES,
@@ -45,7 +48,7 @@ PATCH_ID = "nemo-rl-fp32-lm-head"
 CONTEXT_ID = "nemo-rl-context-length-400"
 POLICY = "nemo_rl/models/policy/lm_policy.py"
 BACKEND = "nemo_rl/models/generation/vllm/vllm_backend.py"
-FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES]
+FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES, DTENSOR, DTENSOR_V2]
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 
 ENGINE_V2 = (resources.files("fp32patch.patches") / f"{PATCH_ID}.toml").is_file()
@@ -94,6 +97,7 @@ def test_apply_verify_revert_reapply_on_every_shape(tmp_path, shape):
     assert sorted(p for p in patched if patched[p] != before[p]) == sorted(present)
     edits = set().union(*(_markers(patched[f].decode()) for f in present))
     assert "wire-policy" in edits and "probe-driver" in edits and "guard-driver" in edits
+    assert {"guard-dtensor", "wire-dtensor", "guard-dtensor-v2", "wire-dtensor-v2"} <= edits
     assert ("wire-inference-model" in edits) == (shape.variant == "inference-model")
     assert ("env-copy" in edits) == (PATCHES in before)
     assert ("env-copy-in-worker" in edits) == (PATCHES not in before)
@@ -198,6 +202,29 @@ MUTATIONS = {
         "self.device_uuids = self._report_device_id()",
     ),
     "env-copy": (_replace(PATCHES, "env_vars_to_copy = [", "names_to_copy = ["), "env_vars_to_copy"),
+    # a second class with an __init__ in the v1 file: which one is the worker's is not guessed
+    "guard-dtensor": (
+        _replace(
+            DTENSOR,
+            "class DTensorPolicyWorkerImpl:",
+            "class _Helper:\n    def __init__(self):\n        pass\n\n\nclass DTensorPolicyWorkerImpl:",
+        ),
+        "*.__init__",
+    ),
+    "wire-dtensor": (
+        _replace(DTENSOR, "        if is_tied_lm_head:\n", "        if is_tied_lm_head and self.model is not None:\n"),
+        "if is_tied_lm_head",
+    ),
+    "guard-dtensor-v2": (
+        _replace(DTENSOR_V2, "runtime_config = validate_and_prepare_config(", "runtime_config = prepare_config("),
+        "validate_and_prepare_config",
+    ),
+    "wire-dtensor-v2": (
+        _replace(
+            DTENSOR_V2, "        if init_reference_model:\n", "        if init_reference_model and self.optimizer:\n"
+        ),
+        "if init_reference_model",
+    ),
 }
 
 
@@ -814,6 +841,394 @@ def test_the_variable_joins_vllms_executor_line(tmp_path, patched_roots, shape, 
         assert set(extra) <= namespace["ADDITIONAL_ENV_VARS"]
 
 
+# -- DTensor doubles: transformers' auto classes, NeMo-RL's sharding and Automodel's setup
+
+HIDDEN, VOCAB = 16, 48
+
+
+class TinyCausalLM(torch.nn.Module):
+    """A Hugging Face causal LM as the DTensor workers meet it: a ``config``, ``lm_head`` (an
+    ``nn.Linear``) found by ``get_output_embeddings()``, ``tie_weights()``."""
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.body = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    @classmethod
+    def from_config(cls, config: SimpleNamespace, **kwargs: Any) -> torch.nn.Module:
+        torch.manual_seed(1)  # an empty model's weights: the checkpoint's replace them
+        return cls(config)
+
+    @classmethod
+    def from_pretrained(cls, name: str, config: SimpleNamespace, **kwargs: Any) -> torch.nn.Module:
+        torch.manual_seed(0)  # the checkpoint
+        return cls(config)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(self.embed_tokens(ids)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden(ids))
+
+
+class TinyRewardModel(TinyCausalLM):
+    """A sequence classifier: a score head, no LM head (``get_output_embeddings()`` is None)."""
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        torch.nn.Module.__init__(self)
+        self.config = config
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.body = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.score = torch.nn.Linear(HIDDEN, config.num_labels, bias=False)
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.score(self.hidden(ids)[:, -1])
+
+
+def _tiny_config(name: str, **kwargs: Any) -> SimpleNamespace:
+    return SimpleNamespace(model_type="tiny", tie_word_embeddings=name.endswith("-tied"), num_labels=2)
+
+
+def _sharded(model: torch.nn.Module, param_dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:
+    # FSDP2's mixed precision hands the head its weight in param_dtype at compute time
+    return model.to(param_dtype)
+
+
+def _build(config: dict) -> tuple[torch.nn.Module, bool]:
+    """What both workers do to build a model: the class, the checkpoint, the sharding, the tie."""
+    model_config = _tiny_config(config["model_name"])
+    reward = "reward_model_cfg" in config and config["reward_model_cfg"]["enabled"]
+    model_class = TinyRewardModel if reward else TinyCausalLM
+    if reward:
+        model_config.num_labels = 1
+    state = model_class.from_pretrained(config["model_name"], config=model_config).state_dict()
+    model = _sharded(model_class.from_config(model_config), torch.bfloat16)
+    model.load_state_dict(state)
+    if model_config.tie_word_embeddings:
+        model.tie_weights()
+    return model, reward
+
+
+@dataclass
+class Builds:
+    """What the doubles were asked to do, in order (a refused config builds nothing)."""
+
+    calls: list[str] = field(default_factory=list)
+
+
+def dtensor_doubles(monkeypatch) -> Builds:
+    builds = Builds()
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: builds.calls.append("init"))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: int(os.environ.get("RANK", "0")))
+    runtime_config_type = namedtuple("RuntimeConfig", "model_class dtype cpu_offload is_reward_model")
+
+    def from_pretrained(name: str, **kwargs: Any) -> SimpleNamespace:
+        builds.calls.append("config")
+        return _tiny_config(name)
+
+    def validate_and_prepare_config(config: dict, processor: Any, rank: int):
+        builds.calls.append("validate")
+        reward = "reward_model_cfg" in config and config["reward_model_cfg"]["enabled"]
+        return runtime_config_type(TinyRewardModel if reward else TinyCausalLM, torch.bfloat16, False, reward)
+
+    def setup_model_and_optimizer(config: dict, runtime_config: Any, **kwargs: Any) -> tuple:
+        builds.calls.append("model")
+        model, reward = _build(config)
+        return model, None, None, reward, type(model), model.config
+
+    def parallelize(model: torch.nn.Module, param_dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:
+        builds.calls.append("model")
+        return _sharded(model, param_dtype)
+
+    _install(
+        monkeypatch,
+        {
+            "ray": _module("ray", remote=lambda **kwargs: lambda cls: cls),
+            "transformers": _module(
+                "transformers",
+                AutoConfig=SimpleNamespace(from_pretrained=from_pretrained),
+                AutoModelForSequenceClassification=TinyRewardModel,
+            ),
+            "nemo_rl.models.policy.utils": _module(
+                "nemo_rl.models.policy.utils",
+                get_runtime_env_for_policy_worker=lambda name: {},
+                resolve_model_class=lambda model_type: TinyCausalLM,
+            ),
+            "nemo_rl.models.dtensor.parallelize": _module(
+                "nemo_rl.models.dtensor.parallelize", _parallelize_model=parallelize
+            ),
+            "nemo_rl.models.automodel.setup": _module(
+                "nemo_rl.models.automodel.setup",
+                validate_and_prepare_config=validate_and_prepare_config,
+                setup_distributed=lambda config, runtime_config: SimpleNamespace(device_mesh=None),
+                setup_model_and_optimizer=setup_model_and_optimizer,
+                setup_reference_model_state=lambda model: {
+                    k: v.detach().clone() for k, v in model.state_dict().items()
+                },
+            ),
+        },
+    )
+    return builds
+
+
+# which worker: (its file, its remote class, the name its config check gives)
+DTENSOR_WORKERS = {
+    "v1": (DTENSOR, "DTensorPolicyWorker", "dtensor worker rank"),
+    "v2": (DTENSOR_V2, "DTensorPolicyWorkerV2", "dtensor v2 worker rank"),
+}
+
+
+def dtensor_policy_cfg(
+    fp32_lm_head: Any = None, *, model: str = "tiny", reward: bool = False, generation: dict | None = None, **dtensor
+) -> dict:
+    """NeMo-RL's policy section for a DTensor worker (no generation: SFT, DPO, a reward model)."""
+    dtensor_cfg = {
+        "enabled": True,
+        "cpu_offload": False,
+        "tensor_parallel_size": 1,
+        "sequence_parallel": False,
+        "activation_checkpointing": False,
+        **dtensor,
+    }
+    if fp32_lm_head is not None:
+        dtensor_cfg["fp32_lm_head"] = fp32_lm_head
+    cfg = {
+        "model_name": model,
+        "precision": "bfloat16",
+        "dtensor_cfg": dtensor_cfg,
+        "megatron_cfg": {"enabled": False},
+        "generation": generation,
+    }
+    if reward:
+        cfg["reward_model_cfg"] = {"enabled": True, "reward_model_type": "bradley_terry"}
+    return cfg
+
+
+def start_dtensor_worker(root: Path, which: str, cfg: dict) -> Any:
+    """The DTensor policy worker ``which`` of the patched checkout ``root``, built from ``cfg``
+    (the doubles installed: ``dtensor_doubles``)."""
+    path, remote, _ = DTENSOR_WORKERS[which]
+    worker_class = getattr(load_module(root / path), remote)
+    return worker_class(cfg, tokenizer=None) if which == "v1" else worker_class(cfg)
+
+
+def _reference_logits(model: TinyCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.hidden(ids).double() @ model.lm_head.weight.double().t()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+@pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
+def test_the_dtensor_policy_gets_the_fp32_head_once_built(monkeypatch, patched_roots, shape, which, model, caplog):
+    from fp32patch.runtime.hf_lm_head import fp32_lm_head_mode
+
+    monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    caplog.set_level("INFO", logger="nemo_rl.fp32patch")
+    builds = dtensor_doubles(monkeypatch)
+    worker = start_dtensor_worker(patched_roots[shape.name], which, dtensor_policy_cfg("fp32out", model=model))
+    assert "model" in builds.calls
+    assert fp32_lm_head_mode(worker.model) == "fp32out"
+    head = worker.model.get_output_embeddings()
+    assert head.weight.dtype == torch.bfloat16  # the weight stays as the sharding made it
+    assert (head.weight is worker.model.embed_tokens.weight) == (model == "tiny-tied")  # still tied
+    ids = _ids()
+    logits = worker.logits(ids)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits.double(), _reference_logits(worker.model, ids), rtol=1e-5, atol=1e-5)
+    lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl.fp32patch"]
+    assert lines == ["fp32patch: DTensor policy's LM head in fp32 (mode 'fp32out'): Linear of TinyCausalLM"]
+
+
+@needs_runtime
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+@pytest.mark.parametrize(("value", "mode"), [(True, "fp32"), ("tf32", "tf32"), (False, None)])
+def test_the_dtensor_value_is_the_mode(monkeypatch, patched_roots, which, value, mode):
+    from fp32patch.runtime.hf_lm_head import fp32_lm_head_mode
+
+    monkeypatch.delenv(VAR, raising=False)
+    dtensor_doubles(monkeypatch)
+    worker = start_dtensor_worker(patched_roots[SHAPES[0].name], which, dtensor_policy_cfg(value))
+    assert fp32_lm_head_mode(worker.model) == mode
+    assert worker.logits(_ids()).dtype == (torch.bfloat16 if mode is None else torch.float32)
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+def test_without_the_keys_the_dtensor_workers_run_stock_and_never_import_fp32patch(
+    monkeypatch, patched_roots, shape, which
+):
+    monkeypatch.delenv(VAR, raising=False)
+    dtensor_doubles(monkeypatch)
+    # an image without fp32patch in the FSDP/Automodel venvs: any import of the runtime would fail
+    monkeypatch.setitem(sys.modules, "fp32patch.runtime.nemo_rl", None)
+    worker = start_dtensor_worker(patched_roots[shape.name], which, dtensor_policy_cfg(model="tiny-tied"))
+    head = worker.model.get_output_embeddings()
+    assert "forward" not in head.__dict__
+    assert worker.logits(_ids()).dtype == torch.bfloat16
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[-1]], ids=[SHAPE_IDS[0], SHAPE_IDS[-1]])
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+def test_a_dtensor_reward_model_keeps_its_score_head(monkeypatch, patched_roots, shape, which, caplog):
+    from fp32patch.runtime.hf_lm_head import fp32_lm_head_mode
+
+    monkeypatch.delenv(VAR, raising=False)
+    caplog.set_level("INFO", logger="nemo_rl.fp32patch")
+    dtensor_doubles(monkeypatch)
+    cfg = dtensor_policy_cfg("fp32out", reward=True)
+    worker = start_dtensor_worker(patched_roots[shape.name], which, cfg)  # no NoLmHeadError
+    assert worker._is_reward_model
+    assert isinstance(worker.model, TinyRewardModel) and fp32_lm_head_mode(worker.model) is None
+    assert all("forward" not in m.__dict__ for m in worker.model.modules())
+    scores = worker.logits(_ids())
+    assert scores.shape == (2, 1) and scores.dtype == torch.bfloat16
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "nemo_rl.fp32patch"]
+    assert "TinyRewardModel is a reward model" in line and "keeps its stock score head" in line
+
+
+@needs_runtime
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+def test_dtensor_reference_logprobs_swap_weights_into_the_wired_model(monkeypatch, patched_roots, which):
+    # the reference policy's weights are copied into the same module and back: the head stays
+    # fp32 and computes with whichever weights are in it
+    from fp32patch.runtime.hf_lm_head import fp32_lm_head_mode
+
+    monkeypatch.delenv(VAR, raising=False)
+    dtensor_doubles(monkeypatch)
+    worker = start_dtensor_worker(patched_roots[SHAPES[0].name], which, dtensor_policy_cfg("fp32out"))
+    with torch.no_grad():  # a training step moved the policy away from the reference
+        for param in worker.model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    ids = _ids()
+    trained = _reference_logits(worker.model, ids)
+    head = worker.model.lm_head
+    with worker.use_reference_model():
+        assert torch.equal(head.weight, worker.reference_model_state_dict["lm_head.weight"])
+        assert fp32_lm_head_mode(worker.model) == "fp32out"
+        logits = worker.logits(ids)
+        assert logits.dtype == torch.float32
+        assert torch.allclose(logits.double(), _reference_logits(worker.model, ids), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(logits.double(), trained, rtol=1e-3, atol=1e-3)
+    logits = worker.logits(ids)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits.double(), trained, rtol=1e-5, atol=1e-5)
+    assert worker.model.lm_head is head and fp32_lm_head_mode(worker.model) == "fp32out"
+
+
+def _guard_knows_dtensor() -> bool:
+    try:
+        from fp32patch.runtime.nemo_rl.config import Fp32LmHeadSettings
+    except ImportError:
+        return False
+    return "dtensor" in getattr(Fp32LmHeadSettings, "__dataclass_fields__", {})
+
+
+needs_dtensor_guard = pytest.mark.skipif(
+    not _guard_knows_dtensor(),
+    reason="the config guard (runtime/nemo_rl/config.py) learns dtensor_cfg on its own branch",
+)
+_VLLM_ON = {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"env_vars": {VAR: "1"}}}
+
+
+@needs_runtime
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+@pytest.mark.parametrize(
+    ("cfg", "fragments"),
+    [
+        # vLLM in fp32 while the trainer's head stays bf16: refused by every version of the guard
+        (dtensor_policy_cfg(generation=_VLLM_ON), [VAR]),
+        pytest.param(dtensor_policy_cfg("TF32"), ["TF32", "fp32_lm_head"], marks=needs_dtensor_guard),
+        pytest.param(
+            dtensor_policy_cfg(fp32LmHead=True), ["fp32LmHead", "dtensor_cfg.fp32_lm_head"], marks=needs_dtensor_guard
+        ),
+    ],
+    ids=["vllm-only", "upper-case-mode", "near-miss-key"],
+)
+def test_each_dtensor_worker_refuses_a_bad_config_before_building(monkeypatch, patched_roots, which, cfg, fragments):
+    from fp32patch.runtime.nemo_rl import Fp32LmHeadConfigError
+
+    monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    builds = dtensor_doubles(monkeypatch)
+    for shape in (SHAPES[0], SHAPES[-1]):
+        with pytest.raises(Fp32LmHeadConfigError) as info:
+            start_dtensor_worker(patched_roots[shape.name], which, cfg)
+        for fragment in [f"{DTENSOR_WORKERS[which][2]} 3", *fragments]:
+            assert fragment in str(info.value), str(info.value)
+    assert builds.calls == []  # before torch.distributed, the config, the model
+
+
+@needs_runtime
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+def test_a_dtensor_config_that_asks_without_fp32patch_says_to_install_it(monkeypatch, patched_roots, which):
+    monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.setenv("RANK", "2")
+    dtensor_doubles(monkeypatch)
+    monkeypatch.setitem(sys.modules, "fp32patch.runtime.nemo_rl", None)
+    worker = DTENSOR_WORKERS[which][2]
+    with pytest.raises(
+        RuntimeError, match=rf"{worker} 2: .*dtensor_cfg.fp32_lm_head.*install fp32patch into every one"
+    ):
+        start_dtensor_worker(patched_roots[SHAPES[0].name], which, dtensor_policy_cfg("fp32out"))
+
+
+@needs_runtime
+@pytest.mark.parametrize(
+    ("cfg", "asked"),
+    [
+        ({"dtensor_cfg": {"enabled": True}}, False),
+        ({"dtensor_cfg": {"fp32_lm_head": False}}, True),  # present is asked: the guard reads the value
+        ({"dtensor_cfg": {"fp32_lm_head": "fp32out"}}, True),
+        ({"dtensor_cfg": {"FP32-LM-Head": True}}, True),  # a near miss: the guard names the right key
+        ({"dtensor_cfg": {"fp32_residual_connection": True}}, False),  # Megatron's alone
+        ({"megatron_cfg": {"fp32_residual_connection": True}}, True),
+        ({"megatron_cfg": {"fp32_lm_head": True}}, True),
+        ({"generation": {"vllm_cfg": {"fp32_lm_head": True}}}, True),
+        ({"generation": {"vllm_cfg": {"fp32_lm_head": "fp32out"}}}, True),
+        ({"generation": {"vllm_cfg": {"fp32_lm_head": False}}}, False),  # upstream's default
+        ({"generation": {"vllm_cfg": {"fp32_lm_head": None}}}, False),
+        ({"generation": {"vllm_cfg": {"env_vars": {VAR: "1"}}}}, True),
+        ({"generation": {"vllm_cfg": {"env_vars": {VAR: "0"}}}}, False),
+        ({"generation": None, "dtensor_cfg": None}, False),
+    ],
+)
+def test_what_asks_for_fp32patch_in_the_dtensor_workers(monkeypatch, patched_roots, cfg, asked):
+    monkeypatch.delenv(VAR, raising=False)
+    dtensor_doubles(monkeypatch)
+    for path in (DTENSOR, DTENSOR_V2):
+        gate = load_module(patched_roots[SHAPES[0].name] / path)
+        assert gate._fp32patch_asked(cfg) is asked, (path, cfg)
+        # a pydantic-like config (attributes) is read the same
+        as_attributes = SimpleNamespace(
+            **{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in cfg.items()}
+        )
+        if "generation" not in cfg:
+            assert gate._fp32patch_asked(as_attributes) is asked, (path, cfg)
+
+
 # ---------------------------------------------------------------- a real NeMo-RL checkout
 
 
@@ -837,6 +1252,13 @@ def test_a_real_nemo_rl_checkout(tmp_path):
     code, out = _run("apply", root)
     assert code == 0, out
     assert out["status"] in ("applied", "obsolete"), out
+    if out["status"] == "applied":
+        # both DTensor workers are at every supported commit: each checks its config and wires its model
+        for path, edits in (
+            (DTENSOR, {"guard-dtensor", "wire-dtensor"}),
+            (DTENSOR_V2, {"guard-dtensor-v2", "wire-dtensor-v2"}),
+        ):
+            assert _markers((root / path).read_text()) >= edits, path
     for path in FILES:
         if (root / path).is_file():
             compile((root / path).read_bytes(), path, "exec", dont_inherit=True)
@@ -861,3 +1283,9 @@ def test_fixture_shapes_are_what_their_names_say():
     assert PATCHES in newest and PATCHES not in oldest
     assert "def load_and_start" in newest[GENERATION] and "def load_and_start" not in oldest[GENERATION]
     assert textwrap.dedent("class VllmAsyncGenerationWorker:") in oldest[ASYNC_WORKER]
+    assert (
+        "class DTensorPolicyWorkerImpl:" in newest[DTENSOR] and "class DTensorPolicyWorkerImpl" not in oldest[DTENSOR]
+    )
+    assert "tie_weights()" in newest[DTENSOR] and "tie_weights()" not in oldest[DTENSOR]
+    assert "class DTensorPolicyWorkerV2Impl:" in newest[DTENSOR_V2]
+    assert "class DTensorPolicyWorkerV2:" in oldest[DTENSOR_V2] and "Impl" not in oldest[DTENSOR_V2]

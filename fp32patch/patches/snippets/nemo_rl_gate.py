@@ -10,22 +10,30 @@ def _fp32patch_get(section, key):
 def _fp32patch_asked(policy_cfg=None, generation_cfg=None):
     """Whether this NeMo-RL config asks for fp32patch (else the stock code runs, fp32patch unimported).
 
-    It asks when policy.megatron_cfg holds an fp32 LM-head key, spelled right or nearly so
-    (the runtime names the right key), or fp32_residual_connection, or when vLLM's
-    NRL_VLLM_FP32_LM_HEAD (generation.vllm_cfg.env_vars, else this process's environment)
-    is set to anything but "" or "0".
+    It asks when policy.megatron_cfg or policy.dtensor_cfg holds an fp32 LM-head key, spelled
+    right or nearly so (the runtime names the right key), or megatron_cfg holds
+    fp32_residual_connection; when generation.vllm_cfg.fp32_lm_head is set and true; or when
+    vLLM's NRL_VLLM_FP32_LM_HEAD (generation.vllm_cfg.env_vars, else this process's
+    environment) is set to anything but "" or "0".
     """
     import os
 
-    megatron = _fp32patch_get(policy_cfg, "megatron_cfg")
-    keys = megatron.keys() if hasattr(megatron, "keys") else vars(megatron) if hasattr(megatron, "__dict__") else ()
-    for key in keys:
-        folded = str(key).lower().replace("_", "").replace("-", "")
-        if folded == "fp32residualconnection" or (folded.startswith("fp32") and "lm" in folded and "head" in folded):
-            return True
+    for name in ("megatron_cfg", "dtensor_cfg"):
+        section = _fp32patch_get(policy_cfg, name)
+        keys = section.keys() if hasattr(section, "keys") else vars(section) if hasattr(section, "__dict__") else ()
+        for key in keys:
+            folded = str(key).lower().replace("_", "").replace("-", "")
+            if folded.startswith("fp32") and "lm" in folded and "head" in folded:
+                return True
+            if name == "megatron_cfg" and folded == "fp32residualconnection":
+                return True
     if generation_cfg is None:
         generation_cfg = _fp32patch_get(policy_cfg, "generation")
-    env_vars = _fp32patch_get(_fp32patch_get(generation_cfg, "vllm_cfg"), "env_vars")
+    vllm_cfg = _fp32patch_get(generation_cfg, "vllm_cfg")
+    switch = _fp32patch_get(vllm_cfg, "fp32_lm_head")
+    if switch is not None and switch is not False and str(switch).strip().lower() not in ("", "0", "false"):
+        return True
+    env_vars = _fp32patch_get(vllm_cfg, "env_vars")
     for value in (_fp32patch_get(env_vars, "NRL_VLLM_FP32_LM_HEAD"), os.environ.get("NRL_VLLM_FP32_LM_HEAD")):
         if value is not None and str(value).strip() not in ("", "0"):
             return True
@@ -40,8 +48,9 @@ def _fp32patch_runtime(where):
         import sys
 
         raise RuntimeError(
-            f"{where}: this NeMo-RL config asks for fp32patch's fp32 LM head (a policy.megatron_cfg.fp32_* "
-            f"key, or NRL_VLLM_FP32_LM_HEAD), but fp32patch cannot be imported by {sys.executable} ({exc}). "
+            f"{where}: this NeMo-RL config asks for fp32patch's fp32 LM head (a policy.megatron_cfg.fp32_* or "
+            "policy.dtensor_cfg.fp32_lm_head key, generation.vllm_cfg.fp32_lm_head, or NRL_VLLM_FP32_LM_HEAD), "
+            f"but fp32patch cannot be imported by {sys.executable} ({exc}). "
             "NeMo-RL runs each actor in its own venv: install fp32patch into every one of them, or drop "
             "those settings."
         ) from exc
@@ -59,6 +68,27 @@ def _fp32patch_wire_megatron(model, policy_cfg):
     if not _fp32patch_asked(policy_cfg):
         return model
     return _fp32patch_runtime("megatron worker").wire_megatron(model, _fp32patch_get(policy_cfg, "megatron_cfg"))
+
+
+def _fp32patch_rank():
+    """This worker's global rank as NeMo-RL's worker group sets it (RANK), also before torch.distributed starts."""
+    import os
+
+    return os.environ.get("RANK", "?")
+
+
+def _fp32patch_wire_dtensor(model, policy_cfg):
+    """The DTensor worker's Hugging Face model with fp32patch's fp32 LM head where the config asks for it.
+
+    A reward model (policy.reward_model_cfg.enabled, as the workers themselves tell) has no LM
+    head: it keeps its stock head, with no error.
+    """
+    if not _fp32patch_asked(policy_cfg):
+        return model
+    reward = _fp32patch_get(_fp32patch_get(policy_cfg, "reward_model_cfg"), "enabled")
+    return _fp32patch_runtime("dtensor worker").wire_dtensor(
+        model, _fp32patch_get(policy_cfg, "dtensor_cfg"), reward_model=bool(reward)
+    )
 
 
 def _fp32patch_probe_vllm(generation):

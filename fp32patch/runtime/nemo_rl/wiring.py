@@ -2,7 +2,7 @@
 
 ``wire_megatron``: the Megatron worker's model chunks (``megatron_lm_head``).
 ``wire_dtensor``: the DTensor workers' Hugging Face model, v1 and v2 (``hf_lm_head``), after
-it is parallelized (FSDP2, TP), loaded and re-tied.
+it is parallelized (FSDP2, TP), loaded and re-tied; a reward model keeps its stock head.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def wire_megatron(model: Any, megatron_cfg: Any) -> Any:
     return model
 
 
-def wire_dtensor(model: Any, dtensor_cfg: Any) -> Any:
+def wire_dtensor(model: Any, dtensor_cfg: Any, *, reward_model: bool = False) -> Any:
     """Give ``model`` (the DTensor worker's Hugging Face model, already parallelized, loaded
     and re-tied) fp32 logits when ``dtensor_cfg.fp32_lm_head`` asks for them; returns ``model``.
 
@@ -51,9 +51,22 @@ def wire_dtensor(model: Any, dtensor_cfg: Any) -> Any:
     too). Off leaves ``model`` as it is. The same mode again changes nothing, another raises
     ``ValueError``; a head that cannot take the override (LoRA, a custom linear, an fp32 head
     weight, no LM head at all) raises ``hf_lm_head.UnsupportedLmHeadError`` naming it.
+
+    ``reward_model``: the worker builds a reward model (NeMo-RL's ``reward_model_cfg.enabled``),
+    whose head scores sequences and gives no logits over the vocabulary: the value is still
+    checked, the model is left as it is, and a log line says so.
     """
     mode = _mode(dtensor_cfg, "dtensor_cfg", DTENSOR_KEY, "wire_dtensor")
     if mode is None:
+        return model
+    if reward_model:
+        logger.info(
+            "fp32patch: %s is a reward model (policy.reward_model_cfg.enabled): it keeps its stock "
+            "score head; %s=%r applies to LM heads",
+            type(model).__name__,
+            DTENSOR_KEY,
+            mode,
+        )
         return model
     from fp32patch.runtime.hf_lm_head import apply_fp32_lm_head
 
