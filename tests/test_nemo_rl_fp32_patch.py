@@ -489,7 +489,7 @@ def test_reference_logprobs_swap_weights_into_the_wired_model(monkeypatch, patch
 @pytest.mark.parametrize(
     ("cfg", "fragments"),
     [
-        (policy_cfg("fp32"), ["megatron worker rank 3", "NRL_VLLM_FP32_LM_HEAD"]),
+        (policy_cfg("fp32"), ["megatron worker rank 3", "vllm_cfg.fp32_lm_head is not set"]),
         (policy_cfg(env="1"), ["megatron worker rank 3", "fp32_lm_head"]),
         (policy_cfg(fp32_lm_heads=True, env="1"), ["megatron worker rank 3", "policy.megatron_cfg.fp32_lm_head"]),
         (
@@ -552,7 +552,7 @@ def test_the_driver_refuses_a_one_sided_config_before_any_policy_worker_starts(m
     monkeypatch.delenv(VAR, raising=False)
     lm_policy = load_module(patched_roots[shape.name] / POLICY)
     cluster = Cluster()
-    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(driver\).*NRL_VLLM_FP32_LM_HEAD"):
+    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(driver\).*vllm_cfg.fp32_lm_head is not set"):
         lm_policy.Policy(cluster, policy_cfg("fp32"), tokenizer=None)
     with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(driver\).*fp32_lm_head"):
         lm_policy.Policy(cluster, policy_cfg(fp32lmhead=True, env="1"), tokenizer=None)
@@ -1060,6 +1060,52 @@ def test_the_dtensor_policy_gets_the_fp32_head_once_built(monkeypatch, patched_r
     assert lines == ["fp32patch: DTensor policy's LM head in fp32 (mode 'fp32out'): Linear of TinyCausalLM"]
 
 
+_VLLM_ON = {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"env_vars": {VAR: "1"}}}
+_GRPO_VLLM = {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"fp32_lm_head": True}}
+
+
+@needs_runtime
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+@pytest.mark.parametrize(
+    "generation",
+    [_GRPO_VLLM, _VLLM_ON, {**_GRPO_VLLM, "vllm_cfg": {"fp32_lm_head": True, "env_vars": {VAR: "copy"}}}],
+    ids=["vllm-key", "env-var", "both-spellings"],
+)
+def test_a_grpo_dtensor_policy_with_vllm_on_is_wired_and_its_driver_lets_it_start(
+    monkeypatch, patched_roots, which, generation
+):
+    # GRPO on DTensor: the trainer's switch under dtensor_cfg, vLLM's under generation
+    from fp32patch.runtime.hf_lm_head import fp32_lm_head_mode
+
+    monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    dtensor_doubles(monkeypatch)
+    cfg = dtensor_policy_cfg("fp32out", generation=generation)
+    root = patched_roots[SHAPES[0].name]
+    cluster = Cluster()
+    load_module(root / POLICY).Policy(cluster, cfg, tokenizer=None)
+    assert len(cluster.started) == 1
+    worker = start_dtensor_worker(root, which, cfg)
+    assert fp32_lm_head_mode(worker.model) == "fp32out"
+    assert worker.logits(_ids()).dtype == torch.float32
+
+
+@needs_runtime
+def test_a_dtensor_switch_without_vllms_is_refused_by_the_driver(monkeypatch, patched_roots):
+    from fp32patch.runtime.nemo_rl import Fp32LmHeadConfigError
+
+    monkeypatch.delenv(VAR, raising=False)
+    cluster = Cluster()
+    policy = load_module(patched_roots[SHAPES[0].name] / POLICY)
+    no_vllm = {**_GRPO_VLLM, "vllm_cfg": {}}
+    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(driver\): policy.dtensor_cfg.fp32_lm_head is"):
+        policy.Policy(cluster, dtensor_policy_cfg("fp32out", generation=no_vllm), tokenizer=None)
+    cfg = dtensor_policy_cfg("fp32out", generation=no_vllm)
+    cfg["allow_one_sided_fp32_lm_head"] = True  # trainer only, asked for
+    policy.Policy(cluster, cfg, tokenizer=None)
+    assert len(cluster.started) == 1
+
+
 @needs_runtime
 @pytest.mark.parametrize("which", DTENSOR_WORKERS)
 @pytest.mark.parametrize(("value", "mode"), [(True, "fp32"), ("tf32", "tf32"), (False, None)])
@@ -1138,21 +1184,6 @@ def test_dtensor_reference_logprobs_swap_weights_into_the_wired_model(monkeypatc
     assert worker.model.lm_head is head and fp32_lm_head_mode(worker.model) == "fp32out"
 
 
-def _guard_knows_dtensor() -> bool:
-    try:
-        from fp32patch.runtime.nemo_rl.config import Fp32LmHeadSettings
-    except ImportError:
-        return False
-    return "dtensor" in getattr(Fp32LmHeadSettings, "__dataclass_fields__", {})
-
-
-needs_dtensor_guard = pytest.mark.skipif(
-    not _guard_knows_dtensor(),
-    reason="the config guard (runtime/nemo_rl/config.py) learns dtensor_cfg on its own branch",
-)
-_VLLM_ON = {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"env_vars": {VAR: "1"}}}
-
-
 @needs_runtime
 @pytest.mark.parametrize("which", DTENSOR_WORKERS)
 @pytest.mark.parametrize(
@@ -1160,10 +1191,8 @@ _VLLM_ON = {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"env
     [
         # vLLM in fp32 while the trainer's head stays bf16: refused by every version of the guard
         (dtensor_policy_cfg(generation=_VLLM_ON), [VAR]),
-        pytest.param(dtensor_policy_cfg("TF32"), ["TF32", "fp32_lm_head"], marks=needs_dtensor_guard),
-        pytest.param(
-            dtensor_policy_cfg(fp32LmHead=True), ["fp32LmHead", "dtensor_cfg.fp32_lm_head"], marks=needs_dtensor_guard
-        ),
+        pytest.param(dtensor_policy_cfg("TF32"), ["TF32", "fp32_lm_head"]),
+        pytest.param(dtensor_policy_cfg(fp32LmHead=True), ["fp32LmHead", "dtensor_cfg.fp32_lm_head"]),
     ],
     ids=["vllm-only", "upper-case-mode", "near-miss-key"],
 )
