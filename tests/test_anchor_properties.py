@@ -1070,7 +1070,8 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
             assert result.status == "applied", ([m.name for m, _ in chosen], result.message)
             after = (result.files[case.path] if others else result.new).decode()
             compile(after, "patched", "exec", dont_inherit=True)
-            own = [e.id for e in spec.variants[0].edits if spec.target.path_of(e.file) == case.path]
+            variant = next(v for v in spec.variants if v.name == result.variant)
+            own = [e.id for e in variant.edits if spec.target.path_of(e.file) == case.path]
             assert sorted(_own_line_markers(after, spec.id)) == sorted(
                 f"# fp32patch: {spec.id} [{e}]" for e in (own if others else spec.edit_ids)
             )

@@ -60,9 +60,14 @@ class Result:
 
 
 class _Refusal(Exception):
-    def __init__(self, status: Status, detail: str, *, anchor: str | None = None):
+    def __init__(
+        self, status: Status, detail: str, *, anchor: str | None = None, reached: tuple[bool, int] = (False, 0)
+    ):
         super().__init__(detail)
         self.status, self.detail, self.anchor = status, detail, anchor
+        # how near its variant came: whether every file it edits is there, and how many of its
+        # edits held before this one failed
+        self.reached = reached
 
 
 @dataclass
@@ -171,15 +176,19 @@ def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: 
             )
 
     # A known version picks its variant; an unknown one takes the first whose anchors hold.
-    errors: list[Result] = []
+    # Where none holds, the refusal shown is that of the variant that came nearest (every file
+    # it edits there, then the most of its edits held before one failed; the newest of equals):
+    # it names the anchor that moved in the shape the files have, not one of a shape they never had.
+    errors: list[_Refusal] = []
     for variant in variants:
         try:
             return _apply_variant(spec, variant, files, result)
         except _Refusal as exc:
             if parsed_version is not None or len(variants) == 1:
                 raise _Refusal(exc.status, exc.detail, anchor=exc.anchor) from None
-            errors.append(result(exc.status, message=exc.detail, anchor=exc.anchor, variant=variant.name))
-    raise _Refusal(errors[0].status, errors[0].message, anchor=errors[0].anchor)
+            errors.append(exc)
+    nearest = max(errors, key=lambda exc: exc.reached)  # max keeps the first of equals
+    raise _Refusal(nearest.status, nearest.detail, anchor=nearest.anchor)
 
 
 def _present(files: dict[str, _File], pattern: Pattern, default: str) -> bool:
@@ -196,7 +205,9 @@ def _apply_variant(spec: Spec, variant: Variant, files: dict[str, _File], result
     changes: dict[str, list[ops.Change]] = {}
     performed: dict[str, list[str]] = {}
     skipped: list[str] = []
-    for edit in variant.edits:
+    has_files = all(edit.file in files for edit in variant.edits)
+    for held, edit in enumerate(variant.edits):
+        reached = (has_files, held)
         where = f"edit {edit.id} ({edit.op}, variant {variant.name})"
         target = files.get(edit.file)
         if target is None:
@@ -205,6 +216,7 @@ def _apply_variant(spec: Spec, variant: Variant, files: dict[str, _File], result
                 Status.ANCHOR_MISSING,
                 f"{where}: the file {path} is not there. {_UPGRADE_HINT}",
                 anchor=f"file {path}",
+                reached=reached,
             )
         if _fixed_upstream(files, edit):
             skipped.append(edit.id)
@@ -215,10 +227,15 @@ def _apply_variant(spec: Spec, variant: Variant, files: dict[str, _File], result
             in_file = f" in {target.path}" if len(spec.target.files) > 1 else ""
             hint = "" if exc.code == Status.EDIT_FAILED else f" {_UPGRADE_HINT}"
             raise _Refusal(
-                Status(exc.code), f"{where}{in_file}: {exc.detail}.{hint}", anchor=edit.anchor.describe()
+                Status(exc.code),
+                f"{where}{in_file}: {exc.detail}.{hint}",
+                anchor=edit.anchor.describe(),
+                reached=reached,
             ) from None
         except Exception as exc:  # noqa: BLE001
-            raise _Refusal(Status.EDIT_FAILED, f"{where}: planning failed: {type(exc).__name__}: {exc}") from None
+            raise _Refusal(
+                Status.EDIT_FAILED, f"{where}: planning failed: {type(exc).__name__}: {exc}", reached=reached
+            ) from None
         performed.setdefault(edit.file, []).append(edit.id)
     if not performed:
         return result(

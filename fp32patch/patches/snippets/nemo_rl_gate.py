@@ -95,7 +95,8 @@ def _fp32patch_probe_vllm(generation):
     """Ask every vLLM worker for the dtype of its logits; refuse to go on where one disagrees.
 
     The driver's vLLM generation holds only the generation config: the workers are held to
-    the vLLM switch it sets, and the guard in the policy holds that switch to Megatron's.
+    the vLLM switch it sets (generation.vllm_cfg.fp32_lm_head, else NRL_VLLM_FP32_LM_HEAD), and
+    the guard in the policy holds that switch to the trainer's.
     """
     cfg = generation.cfg
     if not _fp32patch_asked(generation_cfg=cfg):
@@ -106,16 +107,46 @@ def _fp32patch_probe_vllm(generation):
 
     runtime = _fp32patch_runtime("driver")
     vllm_cfg = _fp32patch_get(cfg, "vllm_cfg")
+    switch = _fp32patch_get(vllm_cfg, "fp32_lm_head")
     value = _fp32patch_get(_fp32patch_get(vllm_cfg, "env_vars"), "NRL_VLLM_FP32_LM_HEAD")
     source = "policy.generation.vllm_cfg.env_vars"
-    if value is None:
-        value, source = os.environ.get("NRL_VLLM_FP32_LM_HEAD"), "the driver's environment"
-    expected = "fp32" if value is not None and str(value).strip() not in ("", "0") else None
-    # the driver knows the vLLM switch, not Megatron's mode (the guard holds that to the switch)
-    asked_by = f"NRL_VLLM_FP32_LM_HEAD={str(value)!r} in {source}"
+    if switch is not None:  # vLLM's own key (the guard holds the variable, if also set, to it)
+        on = switch is True
+        asked_by = f"policy.generation.vllm_cfg.fp32_lm_head={switch!r}"
+    else:
+        if value is None:
+            value, source = os.environ.get("NRL_VLLM_FP32_LM_HEAD"), "the driver's environment"
+        on = value is not None and str(value).strip() not in ("", "0")
+        asked_by = f"NRL_VLLM_FP32_LM_HEAD={str(value)!r} in {source}"
+    # the driver knows the vLLM switch; the guard's verdict in this process names the trainer's
+    expected = "fp32" if on else None
     method = "fp32patch_probe_lm_head_async" if _fp32patch_get(vllm_cfg, "async_engine") else "fp32patch_probe_lm_head"
     futures = generation.worker_group.run_all_workers_single_data(
         method, run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"]
     )
     # one list of reports per engine; the runtime flattens them in order and names each worker
     runtime.check_probe_reports(ray.get(futures), expected, where="driver", asked_by=asked_by)
+
+
+def _fp32patch_vllm_switch(config):
+    """NRL_VLLM_FP32_LM_HEAD=1 in this vLLM generation worker when generation.vllm_cfg.fp32_lm_head
+    is true and the variable is unset, before the engine starts (NeMo-RL sets it so itself since
+    its September 2026 rework); the guard has held the two spellings to each other."""
+    import os
+
+    if _fp32patch_get(_fp32patch_get(config, "vllm_cfg"), "fp32_lm_head") is True:
+        os.environ.setdefault("NRL_VLLM_FP32_LM_HEAD", "1")
+
+
+def _fp32patch_manages_vllm(get_vllm_file):
+    """Whether fp32patch's vLLM patches are in this vLLM (a marker in nemotron_h.py or in
+    logits_processor.py): then they give every model fp32 logits, and NeMo-RL's own worker-start
+    edit of nemotron_h.py would put a second fp32 route into a file fp32patch manages."""
+    for relative in ("model_executor/models/nemotron_h.py", "model_executor/layers/logits_processor.py"):
+        try:
+            with open(get_vllm_file(relative), encoding="utf-8") as f:
+                if "# fp32patch: " in f.read():
+                    return True
+        except (RuntimeError, OSError):
+            continue
+    return False
