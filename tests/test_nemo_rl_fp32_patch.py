@@ -269,18 +269,23 @@ needs_runtime = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def patched_roots(tmp_path_factory) -> dict[str, Path]:
-    """Every shape, patched once by the CLI, for the tests that import and run it."""
-    if not ENGINE_V2:
-        pytest.skip("the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)")
+def patched_checkouts(shapes, tmp_path_factory) -> dict[str, Path]:
+    """Each of ``shapes`` checked out and patched once by the CLI, by shape name."""
     roots = {}
-    for shape in SHAPES:
+    for shape in shapes:
         root = checkout(shape.name, tmp_path_factory.mktemp(shape.name))
         code, out = _run("apply", root)
         assert code == 0, out
         roots[shape.name] = root
     return roots
+
+
+@pytest.fixture(scope="module")
+def patched_roots(tmp_path_factory) -> dict[str, Path]:
+    """Every shape, patched once by the CLI, for the tests that import and run it."""
+    if not ENGINE_V2:
+        pytest.skip("the spec waits in fp32patch/patches/pending for Engine v2 (several files per spec)")
+    return patched_checkouts(SHAPES, tmp_path_factory)
 
 
 def _module(name: str, **attrs: Any) -> ModuleType:

@@ -44,6 +44,7 @@ from tests.test_nemo_rl_fp32_patch import (
     dtensor_policy_cfg,
     megatron_doubles,
     needs_runtime,
+    patched_checkouts,
     policy_cfg,
     start_generation,
 )
@@ -96,13 +97,7 @@ def _variable_restored():
 @pytest.fixture(scope="module")
 def reworked(tmp_path_factory) -> dict[str, Path]:
     """Each reworked shape, patched once by the CLI."""
-    roots = {}
-    for shape in NEWEST_SHAPES:
-        root = checkout(shape.name, tmp_path_factory.mktemp(shape.name))
-        code, out = _run("apply", root)
-        assert code == 0, out
-        roots[shape.name] = root
-    return roots
+    return patched_checkouts(NEWEST_SHAPES, tmp_path_factory)
 
 
 # ---------------------------------------------------------------- the spec on the reworked shape
