@@ -545,6 +545,47 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_hf(results: dict, path: Path) -> None:
+    """The PyTorch/HF head's ratios to the stock head, per shape, log-prob pass and forward +
+    backward, with the issue's targets (1.10, 1.15) drawn across."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = results["hf"]
+    ways = [way for way in blocks[0]["inference"] if way != BASELINE]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), squeeze=False)
+    for ax, (part, title, target) in zip(
+        axes[0], (("inference", "log-prob pass (no grad)", 1.10), ("training", "forward + backward", 1.15)), strict=True
+    ):
+        width = 0.8 / len(ways)
+        for i, way in enumerate(ways):
+            xs = [j + (i - (len(ways) - 1) / 2) * width for j in range(len(blocks))]
+            ratios = [b[part][way]["ratio"] for b in blocks]
+            low = [r - b[part][way]["ratio_min"] for r, b in zip(ratios, blocks, strict=True)]
+            high = [b[part][way]["ratio_max"] - r for r, b in zip(ratios, blocks, strict=True)]
+            ax.bar(xs, ratios, width, yerr=[low, high], capsize=3, label=way)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(target, color="red", linestyle="--", linewidth=1, label=f"target {target:.2f}")
+        labels = []
+        for b in blocks:
+            s = b["shape"]
+            labels.append(f"H={s['hidden']}\nV={s['vocab']}" + ("\ntied" if s["tied"] else ""))
+        ax.set_xticks(range(len(blocks)), labels)
+        ax.set_ylabel("time / the stock HF head (as NeMo-RL runs it)")
+        ax.set_title(f"PyTorch/HF head, {title}, T={blocks[0]['shape']['tokens']}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle(f"{results['machine']['gpu']}, {results['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _points(ax, points: list[tuple[str, float, float]]) -> None:
     """Scatter (name, x, y) on log axes, each label below the labels of points already drawn
     close to it (ways with the same error sit on top of each other)."""
@@ -609,6 +650,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/out/results.json"))
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--replot", type=Path, default=None, help="draw --plot from an earlier run's JSON (no GPU needed), then stop"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=6, help="timed calls per measurement, at least")
     parser.add_argument(
@@ -632,6 +676,12 @@ def main() -> int:
     )
     parser.add_argument("--train-ways", default=",".join(TRAIN_WAYS), help="comma-separated training ways")
     args = parser.parse_args()
+    if args.replot is not None:
+        if args.plot is None:
+            parser.error("--replot needs --plot PATH")
+        earlier = json.loads(args.replot.read_text())
+        draw(earlier, args.plot)
+        return 0
     global DEVICE
     if args.cpu:
         DEVICE = "cpu"
@@ -677,9 +727,17 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(table(results))
-    if args.plot and results["inference"]:
-        plot(results, args.plot)
+    if args.plot:
+        draw(results, args.plot)
     return 0
+
+
+def draw(results: dict, path: Path) -> None:
+    """The plot of a run: the inference/training one where the run measured them, else the HF head's."""
+    if results["inference"]:
+        plot(results, path)
+    elif results.get("hf"):
+        plot_hf(results, path)
 
 
 if __name__ == "__main__":

@@ -121,3 +121,23 @@ def test_hf_head_ways_are_the_stock_head_and_the_converted_one(cpu: None) -> Non
     with torch.no_grad():
         assert torch.equal(lm_head.hf_logits(stock, h), (h.bfloat16() @ w.t()).float())
         assert torch.equal(lm_head.hf_logits(ours, h), h.bfloat16().float() @ w.float().t())
+
+
+def test_replot_draws_the_plot_an_earlier_run_has_data_for(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import json
+    import sys
+
+    drawn: list[tuple[str, object]] = []
+    monkeypatch.setattr(lm_head, "plot", lambda results, path: drawn.append(("plot", path)))
+    monkeypatch.setattr(lm_head, "plot_hf", lambda results, path: drawn.append(("plot_hf", path)))
+    hf_only = tmp_path / "hf.json"
+    hf_only.write_text(json.dumps({"inference": [], "training": [], "hf": [{"shape": {}}]}))
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps({"inference": [{"shape": {}}], "training": [], "hf": [{"shape": {}}]}))
+    for source in (hf_only, full):
+        monkeypatch.setattr(sys, "argv", ["lm_head.py", "--replot", str(source), "--plot", str(tmp_path / "p.png")])
+        assert lm_head.main() == 0
+    assert drawn == [("plot_hf", tmp_path / "p.png"), ("plot", tmp_path / "p.png")]
+    monkeypatch.setattr(sys, "argv", ["lm_head.py", "--replot", str(full)])
+    with pytest.raises(SystemExit):
+        lm_head.main()  # --replot needs --plot
