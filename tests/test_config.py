@@ -195,7 +195,7 @@ INVALID = [
     ),
     pytest.param(
         policy(enabled=False, dtensor=dtensor(), vllm=True),
-        ['vllm_cfg.fp32_lm_head is "1"', "dtensor_cfg.fp32_lm_head is off", "vLLM only", "1.01444"],
+        ["vllm_cfg.fp32_lm_head is true but", "dtensor_cfg.fp32_lm_head is off", "vLLM only", "1.01444"],
         id="vllm-only-on-dtensor",
     ),
     pytest.param(

@@ -160,7 +160,8 @@ def validate_fp32_lm_head_config(
         )
         fix = f"Set {prefix}generation.vllm_cfg.fp32_lm_head to true, or {key} to false"
     else:
-        what = f'{source} is "{vllm}" but {key} is off: the trainer would still round its logits to bf16 (fp32 logits on vLLM only)'
+        shown = "true" if source.endswith("vllm_cfg.fp32_lm_head") else f'"{vllm}"'
+        what = f"{source} is {shown} but {key} is off: the trainer would still round its logits to bf16 (fp32 logits on vLLM only)"
         fix = f"Set {key} to one of {_quoted(MEGATRON_MODES)} (or true), or turn vLLM's switch off"
     if not allow:
         raise Fp32LmHeadConfigError(
