@@ -734,13 +734,9 @@ def _relative_points(model: dict, names: list[str], metric: str) -> list[tuple[f
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+    plt = vllm_side.pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     models = results["models"]
     cols = max(3, len(models))

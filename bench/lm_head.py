@@ -509,15 +509,24 @@ def agreement(shape, decode_rows: int = 512) -> dict:
     return {"shape": {"tokens": t, "hidden": hdim, "vocab": v}, "decode_rows": decode_rows, "pairs": out}
 
 
-def plot(results: dict, path: Path) -> None:
+def pyplot(path: Path):
+    """matplotlib's pyplot on the file backend, or None (with a line saying so) where
+    matplotlib is not installed: the plot for ``path`` is then skipped."""
     try:
         import matplotlib
     except ImportError:
         print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
-        return
-
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     first = results["inference"][0]
     train = results["training"][0] if results["training"] else None
@@ -548,14 +557,9 @@ def plot(results: dict, path: Path) -> None:
 def plot_hf(results: dict, path: Path) -> None:
     """The PyTorch/HF head's ratios to the stock head, per shape, log-prob pass and forward +
     backward, with the issue's targets (1.10, 1.15) drawn across."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     blocks = results["hf"]
     ways = [way for way in blocks[0]["inference"] if way != BASELINE]

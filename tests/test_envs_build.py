@@ -73,9 +73,23 @@ def test_an_unknown_environment_is_refused(envs):
         envs.build("nope")
 
 
-def test_a_recipes_install_flags_reach_the_build_from_its_lock(envs):
+def test_a_recipes_install_flags_reach_the_build_from_its_lock(envs, monkeypatch, tmp_path):
     # a lock is installed with --no-deps; a flag the recipe needed to resolve (megatron-core
     # declares a newer Python than some of ours) is needed again to install it
-    for name, steps in envs.RECIPES.items():
-        flags = {arg for step in steps for arg in step if arg == "--ignore-requires-python"}
-        assert flags <= set(envs._LOCK_FLAGS.get(name, [])), name
+    assert envs.lock_flags("megatron") == ["--ignore-requires-python"]
+    assert envs.lock_flags("vllm-0.33") == []
+    monkeypatch.setattr(envs, "LOCKS", tmp_path)
+    (tmp_path / "megatron.txt").write_text("six==1.16.0\n")
+    runs: list[list[str]] = []
+    monkeypatch.setattr(envs, "_fresh_venv", lambda target: (target.mkdir(parents=True), ["pip"])[1])
+    monkeypatch.setattr(envs.subprocess, "run", lambda args, **kw: runs.append(args))
+    envs.build("megatron")
+    assert runs[0] == [
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--ignore-requires-python",
+        "-r",
+        str(tmp_path / "megatron.txt"),
+    ]

@@ -63,9 +63,14 @@ RECIPES: dict[str, list[list[str]]] = {
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}
-# pip flags a build from the lock needs, as the recipe does (megatron-core declares a newer
-# Python than it needs)
-_LOCK_FLAGS: dict[str, list[str]] = {"megatron": ["--ignore-requires-python"]}
+# Flags of a recipe's pip steps that installing its lock needs again (megatron-core declares a
+# newer Python than it needs); the rest only steer resolution, which a lock has done already.
+_LOCK_FLAGS = ("--ignore-requires-python",)
+
+
+def lock_flags(name: str) -> list[str]:
+    """The pip flags the build from ``name``'s lock takes over from its recipe."""
+    return [flag for flag in _LOCK_FLAGS if any(flag in step for step in RECIPES[name])]
 
 
 def cache_root() -> Path:
@@ -122,7 +127,7 @@ def build(name: str) -> Path:
     # The stamp is written last: an environment without it is a half-built one.
     pip = _fresh_venv(target)
     # Every distribution is in the lock at its version: nothing is resolved, nothing newer arrives.
-    subprocess.run([*pip, "install", "-q", "--no-deps", *_LOCK_FLAGS.get(name, []), "-r", str(lock)], check=True)
+    subprocess.run([*pip, "install", "-q", "--no-deps", *lock_flags(name), "-r", str(lock)], check=True)
     subprocess.run([*pip, "check"], check=True, stdout=subprocess.DEVNULL)
     (target / ".fp32patch-lock").write_text(_stamp(name))
     print(f"[envs] {name}: ready at {target}", flush=True)
