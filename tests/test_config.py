@@ -234,7 +234,9 @@ INVALID = [
     ),
     pytest.param(policy(True, vllm=1), ["vllm_cfg.fp32_lm_head = 1 is not valid"], id="vk-int"),
     pytest.param(policy(True, vllm="tf32"), ["'tf32' is not valid", "valid values: false, true"], id="vk-tf32"),
-    pytest.param(policy(True, vllm="copy"), ["'copy' is not valid", "NRL_VLLM_FP32_LM_HEAD's to choose"], id="vk-way"),
+    pytest.param(
+        policy(True, vllm="copy"), ["'copy' is not valid; valid", "NRL_VLLM_FP32_LM_HEAD's to choose"], id="vk-way"
+    ),
     pytest.param(
         policy(True, "0", vllm=True),
         ["vllm_cfg.fp32_lm_head = True and", "env_vars.NRL_VLLM_FP32_LM_HEAD = '0' disagree"],
@@ -336,7 +338,10 @@ def test_the_older_vllm_spelling_works_and_names_the_new_key():
     assert settings == Fp32LmHeadSettings("fp32out", "copy")
     (note,) = settings.notes
     assert "env_vars.NRL_VLLM_FP32_LM_HEAD is the older spelling" in note
-    assert 'generation.vllm_cfg.fp32_lm_head: "copy"' in note
+    assert "generation.vllm_cfg.fp32_lm_head: true instead" in note
+    assert 'keep NRL_VLLM_FP32_LM_HEAD="copy" beside it to choose that way' in note
+    (note,) = validate_fp32_lm_head_config(policy(False, "0"), environ={}).notes
+    assert "generation.vllm_cfg.fp32_lm_head: false instead" in note and "choose that way" not in note
     assert validate_fp32_lm_head_config(policy("fp32out", vllm=True), environ={}).notes == ()
 
 

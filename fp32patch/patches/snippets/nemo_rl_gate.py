@@ -108,12 +108,12 @@ def _fp32patch_probe_vllm(generation):
     runtime = _fp32patch_runtime("driver")
     vllm_cfg = _fp32patch_get(cfg, "vllm_cfg")
     switch = _fp32patch_get(vllm_cfg, "fp32_lm_head")
-    value = _fp32patch_get(_fp32patch_get(vllm_cfg, "env_vars"), "NRL_VLLM_FP32_LM_HEAD")
-    source = "policy.generation.vllm_cfg.env_vars"
     if switch is not None:  # vLLM's own key (the guard holds the variable, if also set, to it)
         on = switch is True
         asked_by = f"policy.generation.vllm_cfg.fp32_lm_head={switch!r}"
     else:
+        value = _fp32patch_get(_fp32patch_get(vllm_cfg, "env_vars"), "NRL_VLLM_FP32_LM_HEAD")
+        source = "policy.generation.vllm_cfg.env_vars"
         if value is None:
             value, source = os.environ.get("NRL_VLLM_FP32_LM_HEAD"), "the driver's environment"
         on = value is not None and str(value).strip() not in ("", "0")

@@ -136,8 +136,6 @@ def validate_fp32_lm_head_config(
     trainer = _trainer_section(sections, modes, prefix)
     if modes["megatron_cfg"] is not None:
         _check_not_fused(sections["megatron_cfg"], prefix)
-    if trainer is None and "enabled" in sections["megatron_cfg"] and not sections["megatron_cfg"]["enabled"]:
-        trainer = "dtensor_cfg"  # NeMo-RL's other trainer
     mode = modes[trainer] if trainer is not None else None
     allow = _one_sided_allowed(cfg, prefix)
     settings = {"megatron": modes["megatron_cfg"], "dtensor": modes["dtensor_cfg"], "section": trainer}
@@ -191,15 +189,20 @@ def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, A
     return value
 
 
+def _quoted_boolean(raw: object) -> str:
+    """The hint for a boolean written as a string ("false", "yes"), else ""."""
+    if isinstance(raw, str) and raw.strip().lower() in ("false", "true", "no", "yes"):
+        return " (a quoted string is not a boolean: write false or true without quotes)"
+    return ""
+
+
 def _trainer_mode(section: Mapping[str, Any], name: str, prefix: str) -> str | None:
     raw = section.get("fp32_lm_head")
     try:
         return megatron_mode(raw)
     except ValueError:
-        hint = ""
-        if isinstance(raw, str) and raw.strip().lower() in ("false", "true", "no", "yes"):
-            hint = " (a quoted string is not a boolean: write false or true without quotes)"
-        elif isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
+        hint = _quoted_boolean(raw)
+        if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
             hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
         raise Fp32LmHeadConfigError(
             f"{prefix}{name}.fp32_lm_head = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
@@ -219,7 +222,8 @@ def _enabled_backend(sections: Mapping[str, Mapping[str, Any]]) -> str | None:
 def _trainer_section(
     sections: Mapping[str, Mapping[str, Any]], modes: Mapping[str, str | None], prefix: str
 ) -> str | None:
-    """The section whose switch is the trainer's; refuses a switch that nothing would apply."""
+    """The section whose switch is the trainer's (None: the config does not say); refuses a
+    switch that nothing would apply."""
     enabled = _enabled_backend(sections)
     asked = [name for name in TRAINER_SECTIONS if modes[name] is not None]
     for name in asked:
@@ -243,7 +247,12 @@ def _trainer_section(
             f"both {prefix}megatron_cfg.fp32_lm_head and {prefix}dtensor_cfg.fp32_lm_head are on, and the "
             "config does not say which backend trains: keep the switch of the enabled backend only"
         )
-    return asked[0] if asked else enabled
+    if asked:
+        return asked[0]
+    megatron = sections["megatron_cfg"]
+    if enabled is None and "enabled" in megatron and not megatron["enabled"]:
+        return "dtensor_cfg"  # NeMo-RL's other trainer
+    return enabled
 
 
 def _check_not_fused(megatron: Mapping[str, Any], prefix: str) -> None:
@@ -343,13 +352,8 @@ def _vllm_value(
         if isinstance(raw, bool):
             from_key = _VLLM_KEY_VALUES[raw]
         else:
-            hint = (
-                " (a quoted string is not a boolean: write true or false without quotes)"
-                if isinstance(raw, str)
-                else ""
-            )
             raise Fp32LmHeadConfigError(
-                f'{key} = {raw!r} is not valid{hint}; valid values: false, true (the way, e.g. "copy", is '
+                f'{key} = {raw!r} is not valid{_quoted_boolean(raw)}; valid values: false, true (the way, e.g. "copy", is '
                 f"{VLLM_ENV_VAR}'s to choose)"
             )
     if VLLM_ENV_VAR in env_vars:
@@ -370,11 +374,12 @@ def _vllm_value(
     if from_key is None:
         notes: tuple[str, ...] = ()
         if source.startswith(prefix + "generation"):
+            said = "false" if value == "0" else "true"
+            way = f' (the key is a boolean; keep {VLLM_ENV_VAR}="{value}" beside it to choose that way)'
             notes = (
                 f"{source} is the older spelling of vLLM's switch: NeMo-RL since 2026-08-31 reserves that "
-                f"variable and refuses it in env_vars; write {key}: "
-                + ("true" if value == "1" else "false" if value == "0" else f'"{value}"')
-                + " instead (fp32patch accepts it on every NeMo-RL checkout)",
+                f"variable and refuses it in env_vars; write {key}: {said} instead (fp32patch accepts it "
+                f"on every NeMo-RL checkout){way if value not in ('0', '1') else ''}",
             )
         return value, source, notes
     if (from_key in VLLM_ON_VALUES) != (value in VLLM_ON_VALUES):

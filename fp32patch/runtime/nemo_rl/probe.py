@@ -48,6 +48,7 @@ def check_probe_reports(
     names the switch in ``asked_by`` (``"NRL_VLLM_FP32_LM_HEAD='1' in ..."``): the messages
     then say what asked, not a Megatron mode the caller does not know.
     """
+    recorded = checked_settings(where)  # the guard's verdict in this process, if it ran here
     if isinstance(settings_or_mode, Fp32LmHeadSettings):
         mode, key = settings_or_mode.trainer, settings_or_mode.trainer_key
         expect_fp32 = settings_or_mode.vllm_on if settings_or_mode.vllm is not None else mode is not None
@@ -57,8 +58,7 @@ def check_probe_reports(
         except ValueError as exc:
             raise Fp32LmHeadConfigError(f"fp32patch ({where}): {MEGATRON_KEY}: {exc}") from None
         key, expect_fp32 = MEGATRON_KEY, mode is not None
-        recorded = checked_settings(where) if asked_by is not None else None
-        if recorded is not None:  # the guard's verdict in this process knows the trainer's backend
+        if asked_by is not None and recorded is not None:  # it knows the trainer's backend
             key = recorded.trainer_key
     flat = _flatten(reports)
     if not flat:
@@ -92,7 +92,7 @@ def check_probe_reports(
             len(flat),
             dtypes,
             "way: " + ways if expect_fp32 else "stock",
-            _trainer_said(checked_settings(where)),
+            _trainer_said(recorded),
         )
     elif mode is not None or expect_fp32:
         logger.info(
