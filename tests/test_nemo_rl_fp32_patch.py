@@ -1112,6 +1112,38 @@ def test_a_dtensor_switch_without_vllms_is_refused_by_the_driver(monkeypatch, pa
 
 
 @needs_runtime
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[-1]], ids=[SHAPE_IDS[0], SHAPE_IDS[-1]])
+@pytest.mark.parametrize("which", DTENSOR_WORKERS)
+@pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
+def test_a_wired_dtensor_policy_trains_at_temperature_0_7_on_a_packed_batch(
+    monkeypatch, patched_roots, shape, which, model
+):
+    # NeMo-RL's DTensor training step: one packed sequence (batch 1), the logits divided by the
+    # temperature in place, a log-prob loss, backward; equal, bit for bit, to the same step
+    # done out of place, with fp32 logits and the weight gradient in the weight's dtype
+    from tests.support.in_place import TEMPERATURE, assert_same_bits
+
+    monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    dtensor_doubles(monkeypatch)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+
+    def step(in_place: bool) -> tuple:
+        worker = start_dtensor_worker(patched_roots[shape.name], which, dtensor_policy_cfg("fp32out", model=model))
+        logits = worker.model(ids)
+        assert logits.dtype == torch.float32
+        logits = logits.div_(TEMPERATURE) if in_place else logits / TEMPERATURE
+        logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])
+        (-logprobs.mean()).backward()
+        head = worker.model.get_output_embeddings()
+        assert head.weight.grad is not None and head.weight.grad.dtype == head.weight.dtype
+        assert torch.isfinite(head.weight.grad.float()).all()
+        return tuple(p.grad for p in worker.model.parameters())
+
+    assert_same_bits(step(in_place=True), step(in_place=False))
+
+
+@needs_runtime
 @pytest.mark.parametrize("which", DTENSOR_WORKERS)
 @pytest.mark.parametrize(("value", "mode"), [(True, "fp32"), ("tf32", "tf32"), (False, None)])
 def test_the_dtensor_value_is_the_mode(monkeypatch, patched_roots, which, value, mode):
