@@ -158,16 +158,20 @@ def test_together_with_the_context_length_patch(tmp_path, shape):
 
 
 @needs_engine
-def test_upstream_merged_is_obsolete_and_nothing_is_written(tmp_path):
+def test_upstream_first_fp32_head_is_refused_by_name_and_nothing_is_written(tmp_path):
+    """NeMo-RL's first fp32 head (2026-08-31 to the rework) is not `obsolete`: its Megatron head
+    is not fp32out and its vLLM side is NemotronH only. No variant was built against its files,
+    so the patch refuses it by name, says what to do, and writes nothing."""
     root = checkout(MERGED.name, tmp_path / "nemo-rl")
     before = _sources(root)
     code, out = _run("apply", root)
-    assert (code, out["status"]) == (0, "obsolete"), out
-    assert "apply_fp32_lm_head" in out["message"]
+    assert (code, out["status"]) == (3, "unsupported-version"), out
+    assert "first fp32 LM head" in out["message"] and "apply_fp32_lm_head" in out["message"]
+    assert "--patch vllm-fp32-logits --patch nemotron-h-fp32-lm-head" in out["message"]
     assert _sources(root) == before
     assert not (root / ".fp32patch").exists() or not any((root / ".fp32patch").rglob("*.py"))
     code, out = _run("verify", root)
-    assert (code, out["status"]) == (0, "obsolete")
+    assert (code, out["status"]) == (1, "unsupported-version")
 
 
 def _replace(path: str, old: str, new: str):
@@ -1316,14 +1320,14 @@ def test_a_real_nemo_rl_checkout(tmp_path):
     before = _sources(root)
 
     code, out = _run("apply", root)
-    assert code == 0, out
-    assert out["status"] in ("applied", "obsolete"), out
-    if out["status"] == "applied":
-        # both DTensor workers are at every supported commit: each checks its config and wires its model
-        for path, edits in (
-            (DTENSOR, {"guard-dtensor", "wire-dtensor"}),
-            (DTENSOR_V2, {"guard-dtensor-v2", "wire-dtensor-v2"}),
-        ):
+    assert (code, out["status"]) == (0, "applied"), out
+    # each DTensor worker the checkout has checks its config and wires its model (v1 is gone
+    # after the September 2026 rework)
+    for path, edits in (
+        (DTENSOR, {"guard-dtensor", "wire-dtensor"}),
+        (DTENSOR_V2, {"guard-dtensor-v2", "wire-dtensor-v2"}),
+    ):
+        if (real / path).is_file():
             assert _markers((root / path).read_text()) >= edits, path
     for path in FILES:
         if (root / path).is_file():

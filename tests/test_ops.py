@@ -288,6 +288,21 @@ def test_skip_when_and_obsolete():
     assert result.status == "obsolete" and "upstream" in result.message
 
 
+def test_refuse_when_names_the_shape_and_says_why_before_obsolete_or_any_variant():
+    spec = _spec(
+        'op = "insert_after"\nscope = "f"\nmatch = "x = 1"\ncode = "y = 2"',
+        '[[refuse_when]]\nname = "the halfway fix"\npatterns = [{ scope = "f", regex = "halfway" }]\n'
+        'why = """\nUse the\n  other release."""\n'
+        '[[obsolete_when]]\nname = "upstream"\npatterns = [{ scope = "f", regex = "fix" }]',
+    )
+    result = transform(spec, b"def f():\n    # halfway fix\n    x = 1\n", path="m.py", version=None)
+    assert result.status == "unsupported-version" and result.new is None
+    assert "it has the halfway fix: Use the other release. Nothing was written." in result.message
+    # without the shape, the rest of the spec decides as before
+    assert transform(spec, b"def f():\n    x = 1\n", path="m.py", version=None).status == "applied"
+    assert transform(spec, b"def f():\n    # fix\n    x = 1\n", path="m.py", version=None).status == "obsolete"
+
+
 def test_bom_and_missing_final_newline_are_kept():
     src = b"\xef\xbb\xbfclass C:\n    def f(self, a):\n        return a"
     result = transform(_spec(PREPEND), src, path="m.py", version=None)

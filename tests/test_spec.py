@@ -66,6 +66,11 @@ BAD = [
         GOOD + '[[obsolete_when]]\nname = "x"\npatterns = [{ regex = "(" }]\n',
         "obsolete_when[0].patterns[0].regex: not a regular expression",
     ),
+    (GOOD + '[[refuse_when]]\nname = "x"\nwhy = "y"\n', "refuse_when[0].patterns: needs at least one pattern"),
+    (
+        GOOD + '[[refuse_when]]\nname = "x"\npatterns = [{ regex = "z" }]\n',
+        "refuse_when[0].why: is required",
+    ),
     ("schema = 1\nid = \n", "not valid TOML"),
 ]
 

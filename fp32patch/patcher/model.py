@@ -107,6 +107,16 @@ class ObsoleteWhen:
 
 
 @dataclass(frozen=True)
+class RefuseWhen:
+    """A known shape the patch must not touch, recognised when every one of its patterns is
+    present: refused (``unsupported-version``) with ``why``, which says what to do instead."""
+
+    name: str
+    patterns: tuple[Pattern, ...]
+    why: str
+
+
+@dataclass(frozen=True)
 class Variant:
     name: str
     versions: SpecifierSet
@@ -157,6 +167,7 @@ class Spec:
     sha256: str  # of the canonical content; recorded in the manifest
     description: str = ""
     env: tuple[str, ...] = field(default=())  # environment variables the patched code reads
+    refuse_when: tuple[RefuseWhen, ...] = field(default=())
 
     @property
     def marker_prefix(self) -> str:

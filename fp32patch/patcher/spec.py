@@ -26,7 +26,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from fp32patch.patcher.model import Edit, ObsoleteWhen, Pattern, Spec, Target, Variant
+from fp32patch.patcher.model import Edit, ObsoleteWhen, Pattern, RefuseWhen, Spec, Target, Variant
 from fp32patch.patcher.vocabulary import EDIT_FIELDS, OPERATIONS, pattern_kind
 
 if sys.version_info >= (3, 11):
@@ -41,7 +41,7 @@ _FILE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 # TOML's names for what a field holds
 _TOML_TYPE = {dict: "table", list: "array", str: "string", int: "integer", bool: "boolean", float: "float"}
 
-_TOP_FIELDS = ("schema", "id", "summary", "description", "env", "target", "edits", "variants", "obsolete_when")
+_TOP_FIELDS = ("schema", "id", "summary", "description", "env", "target", "edits", "variants", "obsolete_when", "refuse_when")
 _TARGET_FIELDS = ("distribution", "path", "files", "versions")
 _VARIANT_FIELDS = ("name", "versions", "edits", "omit")
 _PATTERN_FIELDS = ("scope", "match", "params", "regex", "file")
@@ -316,6 +316,19 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
             of.fail("patterns", "needs at least one pattern")
         obsolete.append(ObsoleteWhen(name=name, patterns=pats))
 
+    refused = []
+    for i, rt in enumerate(top.tables("refuse_when")):
+        rf = _Fields(source, f"refuse_when[{i}]", rt, ("name", "patterns", "why"))
+        name = rf.string("name", required=True) or ""
+        why = rf.string("why", required=True) or ""
+        pats = tuple(
+            _pattern(_Fields(source, f"refuse_when[{i}].patterns[{j}]", p, _PATTERN_FIELDS), files)
+            for j, p in enumerate(rf.tables("patterns"))
+        )
+        if not pats:
+            rf.fail("patterns", "needs at least one pattern")
+        refused.append(RefuseWhen(name=name, patterns=pats, why=" ".join(why.split())))
+
     canonical = json.dumps({"spec": data, "code_files": resolved}, sort_keys=True, separators=(",", ":"), default=str)
     return Spec(
         id=spec_id,
@@ -324,6 +337,7 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
         target=target,
         variants=tuple(variants),
         obsolete_when=tuple(obsolete),
+        refuse_when=tuple(refused),
         source=source,
         sha256=hashlib.sha256(canonical.encode()).hexdigest(),
         env=env,

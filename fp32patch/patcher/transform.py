@@ -3,7 +3,8 @@
 The result is ``applied`` (new bytes for the files it changes), ``already-applied`` (every
 edit's marker is there), ``obsolete`` (an upstream fix is recognised), or a refusal:
 ``anchor-missing``, ``anchor-ambiguous``, ``unsupported-version``, ``unparseable``,
-``partially-applied``, ``undefined-name``, ``edit-failed``. New text is re-parsed,
+``partially-applied``, ``undefined-name``, ``edit-failed``; a shape the spec names in
+``refuse_when`` is refused as ``unsupported-version`` with the spec's reason. New text is re-parsed,
 compiled and checked for names nothing defines before it is returned, and each file keeps
 its form: encoding declaration, byte-order mark, line endings, indentation, final newline.
 Any unexpected error while planning an edit becomes a refusal that names the patch and the
@@ -169,6 +170,9 @@ def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: 
         )
 
     first = spec.target.files[0][0]
+    for known in spec.refuse_when:
+        if all(_present(files, p, p.file or first) for p in known.patterns):
+            raise _Refusal(Status.UNSUPPORTED, f"it has {known.name}: {known.why} Nothing was written.")
     for fix in spec.obsolete_when:
         if all(_present(files, p, p.file or first) for p in fix.patterns):
             return result(
