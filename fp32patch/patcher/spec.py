@@ -41,7 +41,18 @@ _FILE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 # TOML's names for what a field holds
 _TOML_TYPE = {dict: "table", list: "array", str: "string", int: "integer", bool: "boolean", float: "float"}
 
-_TOP_FIELDS = ("schema", "id", "summary", "description", "env", "target", "edits", "variants", "obsolete_when", "refuse_when")
+_TOP_FIELDS = (
+    "schema",
+    "id",
+    "summary",
+    "description",
+    "env",
+    "target",
+    "edits",
+    "variants",
+    "obsolete_when",
+    "refuse_when",
+)
 _TARGET_FIELDS = ("distribution", "path", "files", "versions")
 _VARIANT_FIELDS = ("name", "versions", "edits", "omit")
 _PATTERN_FIELDS = ("scope", "match", "params", "regex", "file")
