@@ -39,7 +39,6 @@ it logs the warnings (one side alone, the older vLLM spelling). Pure Python.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from collections.abc import Mapping
@@ -56,6 +55,7 @@ from fp32patch.runtime.modes import (
     VLLM_VALUES_TEXT,
     megatron_mode,
 )
+from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean
 
 # The switches as NeMo-RL's messages name them.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"
@@ -70,17 +70,6 @@ ONE_SIDED_KEY = "allow_one_sided_fp32_lm_head"
 
 # Generation backends that start vLLM with generation.vllm_cfg.
 VLLM_BACKENDS = ("vllm", "dynamo")
-
-# What bench/agreement.py measured (H200, 2026-12-01; bench/RESULTS.md, "Train/generation
-# agreement of two engines"), quoted by the refusal and the opt-in's warning.
-ONE_SIDED_EVIDENCE = (
-    "measured (bench/RESULTS.md, two engines on an H200, NeMo-RL's token_mult_prob_error): fp32 "
-    "on both sides is best everywhere (trained 135M model: 1.01202 against 1.01444 for neither); "
-    "one side alone is at most ~8e-4 better than neither where the engines' own divergence "
-    "exceeds the head's rounding (1.01391), and worse, by up to one head's whole rounding, where "
-    "the rounding dominates: NeMo-RL's fleet (#3936) read 1.035 one-sided against 1.029 for "
-    "neither and 1.015 for both"
-)
 
 logger = logging.getLogger("nemo_rl.fp32patch")
 
@@ -189,19 +178,12 @@ def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, A
     return value
 
 
-def _quoted_boolean(raw: object) -> str:
-    """The hint for a boolean written as a string ("false", "yes"), else ""."""
-    if isinstance(raw, str) and raw.strip().lower() in ("false", "true", "no", "yes"):
-        return " (a quoted string is not a boolean: write false or true without quotes)"
-    return ""
-
-
 def _trainer_mode(section: Mapping[str, Any], name: str, prefix: str) -> str | None:
     raw = section.get("fp32_lm_head")
     try:
         return megatron_mode(raw)
     except ValueError:
-        hint = _quoted_boolean(raw)
+        hint = quoted_boolean(raw)
         if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
             hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
         raise Fp32LmHeadConfigError(
@@ -279,26 +261,6 @@ def _one_sided_allowed(policy: Mapping[str, Any], prefix: str) -> bool:
 
 
 MEGATRON_KEY_NAME = "fp32_lm_head"
-# How close (difflib ratio of the normalised spellings) a key must come to count as a near miss.
-_CLOSENESS = 0.85
-
-
-def _normalised(key: str) -> str:
-    return key.lower().replace("_", "").replace("-", "").replace(" ", "")
-
-
-def _near_miss(key: object, right: str) -> bool:
-    """``key`` looks like ``right`` but is not it: another case or separator, a letter more or
-    less, or any spelling with "fp32", "lm" and "head" in it (NeMo-RL's patched files take a
-    trainer-section key starting "fp32" with "lm" and "head" in it as asking for fp32patch)."""
-    if not isinstance(key, str) or key == right:
-        return False
-    got, want = _normalised(key), _normalised(right)
-    if got == want:
-        return True
-    if "fp32" in got and "lm" in got and "head" in got:
-        return True
-    return difflib.SequenceMatcher(None, got, want).ratio() >= _CLOSENESS
 
 
 def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mapping[str, Any]], prefix: str) -> None:
@@ -308,7 +270,7 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
     for place, section in places.items():
         right = f"{prefix}{place}.{MEGATRON_KEY_NAME}"
         for key in section:
-            if _near_miss(key, MEGATRON_KEY_NAME):
+            if near_miss(key, MEGATRON_KEY_NAME):
                 raise Fp32LmHeadConfigError(
                     f"{prefix}{place}.{key} is not a key fp32patch or NeMo-RL reads: did you mean "
                     f"{right}? NeMo-RL keeps unknown keys without a word, so this one would leave "
@@ -317,7 +279,7 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
     for key in policy:
         if key == ONE_SIDED_KEY:
             continue
-        if key == MEGATRON_KEY_NAME or _near_miss(key, MEGATRON_KEY_NAME):
+        if key == MEGATRON_KEY_NAME or near_miss(key, MEGATRON_KEY_NAME):
             raise Fp32LmHeadConfigError(
                 f"{prefix}{key} is in the wrong place: the switches are "
                 + ", ".join(f"{prefix}{place}.{MEGATRON_KEY_NAME}" for place in places)
@@ -325,7 +287,7 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
             )
     env_vars = vllm_cfg.get("env_vars") if isinstance(vllm_cfg, Mapping) else None
     for key in env_vars if isinstance(env_vars, Mapping) else ():
-        if _near_miss(key, VLLM_ENV_VAR):
+        if near_miss(key, VLLM_ENV_VAR):
             raise Fp32LmHeadConfigError(
                 f"{prefix}generation.vllm_cfg.env_vars.{key} is not the variable vLLM's patched "
                 f"files read: did you mean {VLLM_ENV_VAR}? Better, use "
@@ -353,7 +315,7 @@ def _vllm_value(
             from_key = _VLLM_KEY_VALUES[raw]
         else:
             raise Fp32LmHeadConfigError(
-                f'{key} = {raw!r} is not valid{_quoted_boolean(raw)}; valid values: false, true (the way, e.g. "copy", is '
+                f'{key} = {raw!r} is not valid{quoted_boolean(raw)}; valid values: false, true (the way, e.g. "copy", is '
                 f"{VLLM_ENV_VAR}'s to choose)"
             )
     if VLLM_ENV_VAR in env_vars:
@@ -427,19 +389,6 @@ _CHECKED: dict[str, Fp32LmHeadSettings] = {}
 def checked_settings(where: str = "driver") -> Fp32LmHeadSettings | None:
     """The settings ``check_config(..., where=where)`` last returned in this process, if any."""
     return _CHECKED.get(where)
-
-
-def plain(value: Any) -> Any:
-    """Mappings and pydantic models as plain dicts (pydantic keeps extra keys in its dump)."""
-    if isinstance(value, Mapping):
-        return {key: plain(item) for key, item in value.items()}
-    dump = getattr(value, "model_dump", None)  # pydantic 2
-    if callable(dump) and not isinstance(value, type):
-        return plain(dump())
-    legacy = getattr(value, "dict", None)  # pydantic 1
-    if callable(legacy) and hasattr(value, "__fields__") and not isinstance(value, type):
-        return plain(legacy())
-    return value
 
 
 def _policy_of(cfg: Any) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.modes import megatron_mode
-from fp32patch.runtime.nemo_rl.config import DTENSOR_KEY, MEGATRON_KEY, plain
+from fp32patch.runtime.nemo_rl.config import DTENSOR_KEY, MEGATRON_KEY
+from fp32patch.runtime.switches import plain
 
 logger = logging.getLogger("nemo_rl.fp32patch")
 

@@ -1,0 +1,62 @@
+"""What every RL stack's config guard shares: configs read as plain dicts, the hint for a
+boolean written as a string, near-miss keys, and the measured case against one side alone.
+Pure Python: no torch."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+# What bench/agreement.py measured (H200, 2026-12-01; bench/RESULTS.md, "Train/generation
+# agreement of two engines"), quoted by the refusal and the opt-in's warning.
+ONE_SIDED_EVIDENCE = (
+    "measured (bench/RESULTS.md, two engines on an H200, NeMo-RL's token_mult_prob_error): fp32 "
+    "on both sides is best everywhere (trained 135M model: 1.01202 against 1.01444 for neither); "
+    "one side alone is at most ~8e-4 better than neither where the engines' own divergence "
+    "exceeds the head's rounding (1.01391), and worse, by up to one head's whole rounding, where "
+    "the rounding dominates: NeMo-RL's fleet (#3936) read 1.035 one-sided against 1.029 for "
+    "neither and 1.015 for both"
+)
+
+
+def plain(value: Any) -> Any:
+    """Mappings and pydantic models as plain dicts (pydantic keeps extra keys in its dump)."""
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    dump = getattr(value, "model_dump", None)  # pydantic 2
+    if callable(dump) and not isinstance(value, type):
+        return plain(dump())
+    legacy = getattr(value, "dict", None)  # pydantic 1
+    if callable(legacy) and hasattr(value, "__fields__") and not isinstance(value, type):
+        return plain(legacy())
+    return value
+
+
+def quoted_boolean(raw: object) -> str:
+    """The hint for a boolean written as a string ("false", "yes"), else ""."""
+    if isinstance(raw, str) and raw.strip().lower() in ("false", "true", "no", "yes"):
+        return " (a quoted string is not a boolean: write false or true without quotes)"
+    return ""
+
+
+# How close (difflib ratio of the normalised spellings) a key must come to count as a near miss.
+_CLOSENESS = 0.85
+
+
+def _normalised(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "").replace(" ", "")
+
+
+def near_miss(key: object, right: str) -> bool:
+    """``key`` looks like ``right`` but is not it: another case or separator, a letter more or
+    less, or any spelling with "fp32", "lm" and "head" in it (patched files take a key starting
+    "fp32" with "lm" and "head" in it as asking for fp32patch)."""
+    if not isinstance(key, str) or key == right:
+        return False
+    got, want = _normalised(key), _normalised(right)
+    if got == want:
+        return True
+    if "fp32" in got and "lm" in got and "head" in got:
+        return True
+    return difflib.SequenceMatcher(None, got, want).ratio() >= _CLOSENESS
