@@ -100,8 +100,12 @@ class CodePattern:
     tree: ast.AST
 
     @classmethod
-    def parse(cls, code: str) -> CodePattern:
+    def parse(cls, code: str, *, statement: bool = False) -> CodePattern:
+        """``statement``: the pattern anchors a statement, so an expression (a bare call, an
+        ``await``) stands for the statement that is exactly that expression."""
         kind = pattern_kind(code)
+        if kind == "expr" and statement:
+            kind = "stmt"
         if kind == "expr":
             return cls(kind, ast.parse(code.strip(), mode="eval").body)
         if kind == "stmt":
@@ -243,8 +247,11 @@ class Found:
     matches: list[cst.CSTNode]
 
 
-def find(module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] | None = None) -> Found:
-    """Resolve ``pattern`` in ``module``: its scopes, then its code matches inside them."""
+def find(
+    module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] | None = None, statement: bool = False
+) -> Found:
+    """Resolve ``pattern`` in ``module``: its scopes, then its code matches inside them
+    (``statement``: statements only, an expression pattern standing for its expression statement)."""
     segments = pattern.scope.split(".") if pattern.scope else []
     scopes: list[cst.CSTNode] = []
     near: list[str] = []
@@ -268,7 +275,7 @@ def find(module: cst.Module, pattern: Pattern, *, match_types: tuple[type, ...] 
         scopes = [s for s in scopes if rx.search(module.code_for_node(s))]
     matches: list[cst.CSTNode] = []
     if pattern.match is not None:
-        code = CodePattern.parse(pattern.match)
+        code = CodePattern.parse(pattern.match, statement=statement)
         types = match_types or code.cst_types()
         seen: set[int] = set()
         for scope in scopes:

@@ -188,7 +188,7 @@ class _StatementAnchored(Operation):
     """Operations anchored on a statement pattern inside a scope."""
 
     def anchors(self, module: cst.Module, edit: Edit) -> list[cst.CSTNode]:
-        found = find(module, edit.anchor)
+        found = find(module, edit.anchor, statement=True)
         _expect(edit, len(found.matches), edit.anchor.describe(), _near(found.near_misses))
         return found.matches
 

@@ -111,7 +111,8 @@ def _statement_anchored(name: str) -> Callable[[Edit, Fail], None]:
         _statements_ok(edit, fail)
         if edit.anchor.match is None:
             fail("match", f"{name} needs a statement pattern to anchor on")
-        elif pattern_kind(edit.anchor.match) != "stmt":
+        elif pattern_kind(edit.anchor.match) == "handler":
+            # an expression stands for the statement that is exactly it (a bare call, an await)
             fail("match", f"{name} anchors on a statement, got {edit.anchor.match!r}")
 
     return check

@@ -43,9 +43,9 @@ Errors (the NeMo-RL wiring relies on these types):
   message names what was found: a LoRA-wrapped head (peft's ``lora.Linear``, an Automodel-style
   LoRA linear, any head with adapter attributes or submodules), a Transformer Engine or other
   custom linear, a ``forward`` already replaced by someone else, or an fp32 weight at compute
-  time (raised by ``apply_fp32_lm_head`` when the weight is fp32 and no FSDP2 casts it, else
-  by the forward that sees it: under FSDP2 with ``param_dtype=bfloat16`` the fp32 master
-  weight is bf16 in the forward, the normal case). The DTensor layouts above that are not
+  time (raised by ``apply_fp32_lm_head`` when the weight is fp32 and no FSDP casts it, else
+  by the forward that sees it: under FSDP2, or FSDP1's wrapper, with ``param_dtype=bfloat16``
+  the fp32 master weight is bf16 in the forward, the normal case). The DTensor layouts above that are not
   supported raise it too, at the call.
 - ``NoLmHeadError`` (an ``UnsupportedLmHeadError``): the model has no LM head
   (``get_output_embeddings()`` is None: reward and value models).
@@ -268,9 +268,12 @@ def _check_convertible(head: Any, where: str, path: list[Any]) -> None:
             f"fp32 LM head: {where}.forward was already replaced by {head.__dict__['forward']!r}; "
             "refusing to stack on it"
         )
+    # under FSDP the weight at rest may be an fp32 master or a flat shard: the forward checks
+    # the dtype it is handed
+    if any(_is_fsdp(module) for module in (*path, head)):
+        return
     weight = head.weight
-    managed = any(_is_fsdp(module) for module in (*path, head))
-    if str(weight.dtype).removeprefix("torch.") not in _LOW_PRECISION and not managed:
+    if str(weight.dtype).removeprefix("torch.") not in _LOW_PRECISION:
         raise UnsupportedLmHeadError(_fp32_weight(weight.dtype, where))
 
 
@@ -295,11 +298,13 @@ def _plain_class(cls: type) -> type:
 
 
 def _is_fsdp(module: Any) -> bool:
+    """Whether FSDP manages ``module``'s parameters: FSDP2 (``fully_shard``) or FSDP1's wrapper
+    (verl's default strategy), both of which hand the forward its mixed-precision dtype."""
     try:
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError:
         return False
-    return isinstance(module, FSDPModule)
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
 
 
 def _fp32_weight(dtype: Any, where: str) -> str:

@@ -1,0 +1,45 @@
+"""What verl's patched files call: one key, ``actor_rollout_ref.model.fp32_lm_head``, turns the
+fp32 LM head on in the trainer (actor and ref) and in every rollout server.
+
+verl's glue in one place (``config``: the guard; ``wiring``: the heads on the models verl builds
+and the switch in its rollout servers; ``probe``: the servers' check of their vLLM workers). The
+heads are shared with every stack (``hf_lm_head``, ``megatron_lm_head``, ``vllm_lm_head``), as is
+the worker-side measurement (``vllm_probe``).
+
+- ``check_config(config, where=...)``: the guard, from ``verl.utils.config.validate_config``.
+- ``wire_hf(module, model_config, role=...)``: the FSDP engine's and the legacy FSDP workers'
+  actor and ref, once wrapped; ``wire_megatron(modules, model_config, role=...)``: the Megatron
+  engine's and legacy workers'.
+- ``set_vllm_env(model_config, where=...)``: in each vLLM rollout server before its engine starts.
+- ``sglang_args(args, model_config, ServerArgs, where=...)``: before SGLang's ``ServerArgs(**args)``.
+- ``probe_vllm_model(model)`` in each vLLM worker (``PROBE_RPC``), and ``probe_server`` in the server.
+
+Importing this module imports neither torch, vLLM nor verl.
+"""
+
+from __future__ import annotations
+
+from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.modes import VLLM_ENV_VAR
+from fp32patch.runtime.verl.config import KEY, VerlSettings, check_config, validate_fp32_lm_head_config
+from fp32patch.runtime.verl.probe import PROBE_RPC, check_reports, probe_server
+from fp32patch.runtime.verl.wiring import set_vllm_env, sglang_args, wire_hf, wire_megatron
+from fp32patch.runtime.vllm_probe import probe_vllm_model
+
+__all__ = [
+    "KEY",
+    "PROBE_RPC",
+    "VLLM_ENV_VAR",
+    "Fp32LmHeadConfigError",
+    "Fp32LmHeadMismatchError",
+    "VerlSettings",
+    "check_config",
+    "check_reports",
+    "probe_server",
+    "probe_vllm_model",
+    "set_vllm_env",
+    "sglang_args",
+    "validate_fp32_lm_head_config",
+    "wire_hf",
+    "wire_megatron",
+]

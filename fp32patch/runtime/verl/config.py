@@ -1,0 +1,286 @@
+"""Refuse verl configs that would give the rollout and the trainer different logits.
+
+verl's switch is one key, ``actor_rollout_ref.model.fp32_lm_head`` (false, true, "fp32", "tf32",
+"fp32out", "fp32out-hilo", "fp32out-bf16grad"; ``modes.py``): the actor's and the reference
+policy's head in that mode, and fp32 logits in every rollout server from the same key (vLLM:
+``NRL_VLLM_FP32_LM_HEAD`` in the server's processes; SGLang: its own ``enable_fp32_lm_head``).
+It is a field of ``HFModelConfig`` once the patch is applied, so verl itself refuses a
+misspelt key; on the command line it needs Hydra's ``+`` (``+actor_rollout_ref.model.fp32_lm_head=fp32out``).
+
+``validate_fp32_lm_head_config(config)`` raises ``Fp32LmHeadConfigError`` unless
+
+- the trainer is one fp32patch wires: ``actor_rollout_ref.actor.strategy`` (and the ref's)
+  fsdp, fsdp2, fsdp_turbo or megatron; VeOmni, TorchTitan and Automodel build their models
+  elsewhere, and a head nobody wires would leave the trainer in bf16;
+- the log-probs come from the head: ``use_fused_kernels`` with the ``torch`` or ``liger``
+  backend computes bf16 logits from ``lm_head.weight`` and never calls the head. The
+  ``triton`` backend (and Megatron's fused path, always triton) is accepted: its
+  ``linear_cross_entropy`` accumulates the bf16 GEMM in fp32 and never rounds the logits to
+  bf16, which is what fp32out's forward computes; the head override does not run there, and a
+  log line says so;
+- the rollout can follow: vLLM (fp32patch's vLLM patches) or SGLang (0.5.3+'s own switch); TRT-LLM
+  has no fp32 LM head. With vLLM, LoRA as an adapter (``lora_rank`` or ``lora.rank`` > 0, not
+  ``lora.merge``) runs vLLM's LoRA logits processor, which keeps its bf16 head up to vLLM 0.25
+  (every verl release pins vLLM below that);
+- nothing else turns fp32 logits on for one side: ``NRL_VLLM_FP32_LM_HEAD`` (in
+  ``ray_kwargs.ray_init.runtime_env.env_vars``, else the driver's environment) and
+  ``engine_kwargs.sglang.enable_fp32_lm_head`` must agree with the key, or be left unset. The
+  variable may name the way ("copy") where the key is on.
+
+``check_config(config, where=...)`` is what verl's patched ``validate_config`` calls. Pure
+Python: no torch, no verl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.modes import (
+    MEGATRON_MODES,
+    MEGATRON_VALUES_TEXT,
+    VLLM_ENV_VAR,
+    VLLM_OFF_VALUES,
+    VLLM_ON_VALUES,
+    VLLM_VALUES_TEXT,
+    megatron_mode,
+)
+from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, plain, quoted_boolean
+
+KEY = "actor_rollout_ref.model.fp32_lm_head"
+# trainer strategies whose actor and ref models the patch wires (the FSDP engine and legacy
+# workers, fsdp_turbo through the FSDP engine, the Megatron engine and legacy workers)
+WIRED_STRATEGIES: tuple[str, ...] = ("fsdp", "fsdp2", "fsdp_turbo", "megatron")
+ROLLOUTS: tuple[str, ...] = ("vllm", "sglang")
+SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
+RUNTIME_ENV = f"ray_kwargs.ray_init.runtime_env.env_vars.{VLLM_ENV_VAR}"
+# the last vLLM release whose LoRA logits processor keeps its own (bf16) head under fp32patch
+LAST_BF16_LORA_VLLM = (0, 25)
+
+logger = logging.getLogger("verl.fp32patch")
+
+
+@dataclass(frozen=True)
+class VerlSettings:
+    """What a valid verl config asks for.
+
+    ``mode``: the actor's and the ref's head (None: off). ``rollout``: the rollout's name.
+    ``vllm``: the ``NRL_VLLM_FP32_LM_HEAD`` value the vLLM servers' processes get (None: the
+    rollout is not vLLM, or off). ``sglang``: SGLang's ``enable_fp32_lm_head``. ``fused``: the
+    fused-kernel backend that computes the actor's log-probs instead of the head ("triton"),
+    if any. ``notes``: lines for the log (not part of equality).
+    """
+
+    mode: str | None
+    rollout: str | None = None
+    vllm: str | None = None
+    sglang: bool | None = None
+    fused: str | None = None
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+
+def validate_fp32_lm_head_config(
+    config: Any, *, environ: Mapping[str, str] | None = None, vllm_version: tuple[int, ...] | None = None
+) -> VerlSettings:
+    """Check verl's whole config (a DictConfig, or a mapping of the same shape).
+
+    ``environ`` stands for the driver's environment (default ``os.environ``); ``vllm_version``
+    for the installed vLLM's (default: read from its distribution, if installed). Raises
+    ``Fp32LmHeadConfigError`` naming the key, the value and what to do.
+    """
+    cfg = as_plain(config)
+    if not isinstance(cfg, dict):
+        raise Fp32LmHeadConfigError(f"expected verl's config as a mapping, got {type(config).__name__}")
+    arr = _section(cfg, "actor_rollout_ref", "")
+    model = _section(arr, "model", "actor_rollout_ref.")
+    rollout_cfg = _section(arr, "rollout", "actor_rollout_ref.")
+    mode = model_mode(model)
+    rollout = rollout_cfg.get("name")
+    env_value, env_source = _env_value(cfg, os.environ if environ is None else environ)
+    sglang_kwargs = _section(_section(rollout_cfg, "engine_kwargs", "actor_rollout_ref.rollout."), "sglang", "")
+    sglang_asked = sglang_kwargs.get("enable_fp32_lm_head")
+
+    if mode is None:
+        if rollout == "vllm" and env_value in VLLM_ON_VALUES:
+            raise Fp32LmHeadConfigError(
+                f'{env_source} is "{env_value}" but {KEY} is off: vLLM would compute fp32 logits and the '
+                f"trainer bf16 ones ({ONE_SIDED_EVIDENCE}). Set {KEY} (e.g. fp32out), which turns both on, "
+                f"and remove {VLLM_ENV_VAR}"
+            )
+        if rollout == "sglang" and sglang_asked is True:
+            raise Fp32LmHeadConfigError(
+                f"{SGLANG_KEY} is true but {KEY} is off: SGLang would compute fp32 logits and the trainer "
+                f"bf16 ones ({ONE_SIDED_EVIDENCE}). Set {KEY} (e.g. fp32out), which turns both on, and "
+                "remove enable_fp32_lm_head"
+            )
+        return VerlSettings(mode=None, rollout=rollout)
+
+    for role in ("actor", "ref"):
+        strategy = _section(arr, role, "actor_rollout_ref.").get("strategy")
+        if strategy is not None and strategy not in WIRED_STRATEGIES:
+            raise Fp32LmHeadConfigError(
+                f"{KEY} is {mode!r} but actor_rollout_ref.{role}.strategy is {strategy!r}: fp32patch wires "
+                f"the head of {', '.join(WIRED_STRATEGIES)} only, so the trainer's logits would stay bf16 "
+                f"while the rollout's are fp32. Use one of those strategies, or set {KEY} to false"
+            )
+    notes: list[str] = []
+    fused = _fused_backend(arr, model)
+    if fused is not None:
+        if fused != "triton":
+            raise Fp32LmHeadConfigError(
+                f"{KEY} is {mode!r} together with actor_rollout_ref.model.use_fused_kernels and the "
+                f"{fused!r} backend: that path computes the log-probs from lm_head.weight in bf16 and never "
+                "calls the head, so they would stay bf16-rounded. Set "
+                "actor_rollout_ref.model.fused_kernel_options.impl_backend to triton (fp32 accumulation, no "
+                f"bf16 logits), or use_fused_kernels to false, or {KEY} to false"
+            )
+        notes.append(
+            "fused kernels (triton) compute the actor's log-probs: their linear_cross_entropy accumulates "
+            "the bf16 GEMM in fp32 and never rounds the logits to bf16, as fp32out's forward does; the "
+            "fp32 head runs where verl calls the head (the reference policy, non-fused passes)"
+        )
+
+    vllm = sglang = None
+    if rollout == "vllm":
+        if env_value in VLLM_OFF_VALUES:
+            raise Fp32LmHeadConfigError(
+                f'{KEY} is {mode!r} but {env_source} is "{env_value}": the two disagree. Remove '
+                f"{VLLM_ENV_VAR}; the key sets it in every vLLM rollout process"
+            )
+        vllm = env_value if env_value in VLLM_ON_VALUES and env_value != "1" else "1"
+        _check_lora(model, mode)
+    elif rollout == "sglang":
+        if sglang_asked is not None and sglang_asked is not True:
+            raise Fp32LmHeadConfigError(
+                f"{KEY} is {mode!r} but {SGLANG_KEY} is {sglang_asked!r}: the two disagree. Remove "
+                "enable_fp32_lm_head; the key turns it on in every SGLang server"
+            )
+        sglang = True
+    else:
+        raise Fp32LmHeadConfigError(
+            f"{KEY} is {mode!r} but actor_rollout_ref.rollout.name is {rollout!r}: fp32patch gives fp32 "
+            f"logits to the vLLM and SGLang rollouts only, so the rollout's would stay bf16. Use "
+            f"{' or '.join(ROLLOUTS)}, or set {KEY} to false"
+        )
+    return VerlSettings(mode=mode, rollout=rollout, vllm=vllm, sglang=sglang, fused=fused, notes=tuple(notes))
+
+
+def model_mode(model: Any, key: str = KEY) -> str | None:
+    """The trainer mode that ``actor_rollout_ref.model`` (a mapping, a DictConfig or verl's
+    ``HFModelConfig``) asks for; None for off. Raises ``Fp32LmHeadConfigError``."""
+    raw = model.get("fp32_lm_head") if hasattr(model, "get") else getattr(model, "fp32_lm_head", None)
+    try:
+        return megatron_mode(raw)
+    except ValueError:
+        hint = quoted_boolean(raw)
+        if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
+            hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
+        raise Fp32LmHeadConfigError(
+            f"{key} = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
+        ) from None
+
+
+def as_plain(config: Any) -> Any:
+    """verl's DictConfig (interpolations resolved, a missing ``???`` kept as is) or any mapping, as dicts."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:
+        return plain(config)
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
+    return plain(config)
+
+
+def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, Any]:
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise Fp32LmHeadConfigError(f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})")
+    return value
+
+
+def _env_value(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """``NRL_VLLM_FP32_LM_HEAD`` as verl's Ray workers will see it, and where it was set."""
+    env_vars = cfg
+    for key in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
+        env_vars = env_vars.get(key) if isinstance(env_vars, Mapping) else None
+    if isinstance(env_vars, Mapping) and VLLM_ENV_VAR in env_vars:
+        raw, source = env_vars[VLLM_ENV_VAR], RUNTIME_ENV
+    elif VLLM_ENV_VAR in environ:
+        raw, source = environ[VLLM_ENV_VAR], f"the environment variable {VLLM_ENV_VAR}"
+    else:
+        return None, ""
+    value = str(raw)
+    if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
+        raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid; valid values: {VLLM_VALUES_TEXT}")
+    return value, source
+
+
+def _fused_backend(arr: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
+    """The fused-kernel backend that computes the actor's log-probs (None: the head does)."""
+    actor = _section(arr, "actor", "actor_rollout_ref.")
+    if not (model.get("use_fused_kernels") or actor.get("use_fused_kernels")):
+        return None
+    if actor.get("strategy") == "megatron":
+        return "triton"  # Megatron's fused forward is triton's linear_cross_entropy, whatever the option says
+    options = model.get("fused_kernel_options") or {}
+    backend = options.get("impl_backend") if isinstance(options, Mapping) else None
+    return str(backend or "torch")
+
+
+def _check_lora(model: Mapping[str, Any], mode: str) -> None:
+    lora = model.get("lora") if isinstance(model.get("lora"), Mapping) else {}
+    rank = lora.get("rank") or model.get("lora_rank") or 0
+    if not rank or lora.get("merge"):
+        return
+    version = _installed_vllm()
+    if version is not None and version[:2] > LAST_BF16_LORA_VLLM:
+        return
+    shown = ".".join(map(str, version)) if version is not None else "not installed here (verl pins <=0.24)"
+    raise Fp32LmHeadConfigError(
+        f"{KEY} is {mode!r} with a LoRA adapter on the vLLM rollout (rank {rank}): vLLM's LoRA logits "
+        f"processor keeps its own bf16 head up to vLLM 0.25 (vLLM {shown}), so the rollout's logits would "
+        f"stay bf16 while the trainer's are fp32. Merge the adapter into the weights for the rollout "
+        f"(actor_rollout_ref.model.lora.merge: true), or set {KEY} to false"
+    )
+
+
+def _installed_vllm() -> tuple[int, ...] | None:
+    from importlib import metadata
+
+    try:
+        text = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_config(
+    config: Any, *, where: str = "validate_config", environ: Mapping[str, str] | None = None
+) -> VerlSettings:
+    """verl's patched ``validate_config`` calls this with the whole config: refuses what cannot
+    give both engines the same logits (``Fp32LmHeadConfigError``, naming ``where``), logs the
+    notes and one line saying what runs."""
+    try:
+        settings = validate_fp32_lm_head_config(config, environ=environ)
+    except Fp32LmHeadConfigError as exc:
+        raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
+    for note in settings.notes:
+        logger.warning("fp32patch (%s): %s", where, note)
+    if settings.mode is not None:
+        rollout = (
+            f"{VLLM_ENV_VAR}={settings.vllm} in every vLLM rollout process"
+            if settings.vllm is not None
+            else "SGLang's enable_fp32_lm_head in every rollout server"
+        )
+        logger.info("fp32patch (%s): fp32 LM head %r on the actor and the ref; %s", where, settings.mode, rollout)
+    return settings

@@ -1,0 +1,87 @@
+"""verl's vLLM rollout servers hold their workers' probe reports to the key.
+
+Each server asks every vLLM worker of its engine, once the model is loaded (after verl's own
+``monkey_patch_model``), for ``probe_vllm_model``'s report through the engine's
+``collective_rpc`` under ``PROBE_RPC`` (a method the patch adds to verl's worker extension),
+and refuses to start when a worker's logits are not what ``actor_rollout_ref.model.fp32_lm_head``
+asks: the run fails at startup, not after a day of one-sided training.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fp32patch.runtime.errors import Fp32LmHeadMismatchError
+from fp32patch.runtime.modes import VLLM_ENV_VAR
+from fp32patch.runtime.verl.config import KEY, model_mode
+
+PROBE_RPC = "fp32patch_probe_lm_head"
+
+logger = logging.getLogger("verl.fp32patch")
+
+
+async def probe_server(engine_client: Any, model_config: Any, *, where: str) -> list[Any]:
+    """Ask every worker of ``engine_client`` (vLLM's AsyncLLM) for its report; check them."""
+    reports = engine_client.collective_rpc(PROBE_RPC)
+    if inspect.isawaitable(reports):
+        reports = await reports
+    check_reports(reports, model_config, where=where)
+    return reports
+
+
+def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
+    """Refuse (``Fp32LmHeadMismatchError``) when a worker's logits disagree with the key: on, every
+    worker computes float32 logits; off, none does. Logs one line when all agree."""
+    mode = model_mode(model_config)
+    flat = _flatten(reports)
+    if not flat:
+        raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
+    bad: list[tuple[int, Any, str]] = []
+    for index, report in enumerate(flat):
+        if not isinstance(report, Mapping):
+            bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
+            continue
+        fp32 = report.get("dtype") == "float32"
+        if fp32 != (mode is not None):
+            bad.append((index, report, _why(index, report, mode)))
+    if bad:
+        lines = [f"fp32patch ({where}): the rollout's logits do not follow {KEY}={mode!r}:"]
+        lines += [f"  {reason}" for _, _, reason in bad]
+        lines.append("The trainer and the rollout would compute different logits. Fix the worker(s) above.")
+        raise Fp32LmHeadMismatchError("\n".join(lines), bad)
+    ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
+    logger.info(
+        "fp32patch (%s): %d vLLM worker(s) compute %s logits (way: %s), as %s=%r asks",
+        where,
+        len(flat),
+        "float32" if mode is not None else "stock",
+        ways,
+        KEY,
+        mode,
+    )
+
+
+def _flatten(reports: Any) -> list[Any]:
+    if isinstance(reports, (list, tuple)):
+        return [item for nested in reports for item in _flatten(nested)]
+    return [reports]
+
+
+def _why(index: int, report: Mapping[str, Any], mode: str | None) -> str:
+    worker = f"vLLM worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
+    dtype, env, way = report.get("dtype"), report.get("env"), report.get("way")
+    reason = report.get("reason") or ""
+    if dtype is None:
+        return f"{worker} computes no logits: {reason}"
+    if mode is None:
+        return f"{worker} computes float32 logits ({VLLM_ENV_VAR}={env!r}, way {way}) while {KEY} is off"
+    if env is None or env.strip() in ("", "0"):
+        return f"{worker} computes {dtype} logits: {VLLM_ENV_VAR} is {env!r} in that process"
+    if not report.get("patched") and way != "native":
+        return (
+            f"{worker} computes {dtype} logits: vLLM's files are not patched (run fp32patch apply in that environment)"
+        )
+    return f"{worker} computes {dtype} logits: the way is {way}: {reason}"
