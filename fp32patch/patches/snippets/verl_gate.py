@@ -85,3 +85,9 @@ def _fp32patch_sglang_args(args, model_config, server_args_cls):
         where = "SGLang rollout server"
         return _fp32patch_runtime(where).sglang_args(args, model_config, server_args_cls, where=where)
     return args
+
+
+def _fp32patch_probe_model(model, model_config, where):
+    """fp32patch's startup probe of a vLLM model loaded in this process."""
+    if _fp32patch_asked(model_config):
+        _fp32patch_runtime(where).probe_model(model, model_config, where=where)

@@ -12,7 +12,8 @@ the worker-side measurement (``vllm_probe``).
   engine's and legacy workers'.
 - ``set_vllm_env(model_config, where=...)``: in each vLLM rollout server before its engine starts.
 - ``sglang_args(args, model_config, ServerArgs, where=...)``: before SGLang's ``ServerArgs(**args)``.
-- ``probe_vllm_model(model)`` in each vLLM worker (``PROBE_RPC``), and ``probe_server`` in the server.
+- ``probe_vllm_model(model)`` in each vLLM worker (``PROBE_RPC``), and ``probe_server`` in the server;
+  ``probe_model`` where vLLM runs in the trainer's process (0.6.1, 0.7.0).
 
 Importing this module imports neither torch, vLLM nor verl.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, VerlSettings, check_config, validate_fp32_lm_head_config
-from fp32patch.runtime.verl.probe import PROBE_RPC, check_reports, probe_server
+from fp32patch.runtime.verl.probe import PROBE_RPC, check_reports, probe_model, probe_server
 from fp32patch.runtime.verl.wiring import set_vllm_env, sglang_args, wire_hf, wire_megatron
 from fp32patch.runtime.vllm_probe import probe_vllm_model
 
@@ -35,6 +36,7 @@ __all__ = [
     "VerlSettings",
     "check_config",
     "check_reports",
+    "probe_model",
     "probe_server",
     "probe_vllm_model",
     "set_vllm_env",

@@ -32,6 +32,16 @@ async def probe_server(engine_client: Any, model_config: Any, *, where: str) -> 
     return reports
 
 
+def probe_model(model: Any, model_config: Any, *, where: str) -> dict[str, Any]:
+    """Probe a vLLM model loaded in this process (verl 0.6.1 and 0.7.0 run vLLM's worker inside
+    the trainer's); check its report."""
+    from fp32patch.runtime.vllm_probe import probe_vllm_model
+
+    report = probe_vllm_model(model)
+    check_reports([report], model_config, where=where)
+    return report
+
+
 def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
     """Refuse (``Fp32LmHeadMismatchError``) when a worker's logits disagree with the key: on, every
     worker computes float32 logits; off, none does. Logs one line when all agree."""
