@@ -287,6 +287,26 @@ def test_in_place_change_with_bias_and_main_grad_fusion(mode: str):
     assert_same_bits(got, expected)
 
 
+@pytest.mark.parametrize("view", ["the logits", "a view of them"])
+@pytest.mark.parametrize("mode", MEGATRON_MODES)
+def test_a_hook_on_the_logits_runs_after_an_in_place_change(mode: str, view: str):
+    # FSDP2 puts its unshard-before-backward hook on the tensor a unit returns; verl scales
+    # logits.squeeze(0) in place. Were the [b, s, V] logits an autograd view of the Function's
+    # 2-D output, the in-place op would move the graph onto that base and the hook would never
+    # run (the head's sharded weight then read freed storage in its backward), as it runs for
+    # torch's own linear
+    x = torch.randn(1, 32, H, generator=torch.Generator().manual_seed(5)).bfloat16().requires_grad_()
+    w = torch.nn.Parameter(torch.randn(V, H, generator=torch.Generator().manual_seed(6)).bfloat16())
+    for logits in (lm_head_linear(x, w, None, mode), torch.nn.functional.linear(x, w)):
+        assert not logits._is_view()
+        ran: list[torch.Size] = []
+        logits.register_hook(lambda grad, ran=ran: ran.append(grad.shape))
+        target = logits.squeeze(0) if view == "a view of them" else logits
+        target.div_(0.7)
+        logits.float().logsumexp(-1).sum().backward()
+        assert ran == [logits.shape]
+
+
 def test_unknown_mode_is_refused():
     x, w = operands()
     with pytest.raises(ValueError, match="unknown fp32 LM-head mode 'bf16'"):

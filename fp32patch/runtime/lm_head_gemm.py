@@ -185,6 +185,8 @@ def lm_head_linear(
     fuse_wgrad: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in fp32, differentiable, in ``mode`` (see ``modes.py``)."""
+    import torch
+
     global _FUNCTION
     if mode not in MEGATRON_MODES:
         raise ValueError(f"unknown fp32 LM-head mode {mode!r}; known: {', '.join(MEGATRON_MODES)}")
@@ -193,8 +195,15 @@ def lm_head_linear(
         _FUNCTION = _make_function()
     # The Function sees 2-D tensors only and returns the product it allocated: a view made
     # inside a custom Function (a reshape back to [..., V] there) may not be modified in
-    # place, and trainers scale logits in place (``logits.div_(temperature)``). The reshapes
-    # out here are ordinary autograd views, which may.
+    # place, and trainers scale logits in place (``logits.div_(temperature)``). Nor may the
+    # logits be an autograd view made out here: an in-place op on a view (or on a view of
+    # it, ``logits.squeeze(0).div_``) moves the graph onto its base, and the hooks a wrapper
+    # put on the returned tensor's grad_fn (FSDP2's unshard before the head's backward, when
+    # the head is a unit of its own) would never run. So the [..., V] shape comes from
+    # _unsafe_view, as torch's own linear gives it: no view to autograd, one tensor, and the
+    # Function saves no output that an in-place op could change under it.
     flat = x.reshape(-1, x.shape[-1])
     out = _FUNCTION.apply(flat, weight, bias, mode, fuse_wgrad)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    if x.dim() == 2:
+        return out
+    return torch.ops.aten._unsafe_view(out, [*x.shape[:-1], out.shape[-1]])

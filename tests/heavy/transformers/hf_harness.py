@@ -92,17 +92,21 @@ def watch(head: torch.nn.Module) -> Seen:
     """Record, through hooks (the module is left as it is), what ``head`` sees."""
     seen = Seen()
 
+    def pre_hook(module, args):
+        # before the forward: a head that is an FSDP2 unit of its own is resharded after it
+        seen.weight.append(_local(module.weight).detach().clone())
+
     def forward_hook(module, args, out):
         x = args[0]
         seen.x.append(_local(x).detach().clone())
-        seen.weight.append(_local(module.weight).detach().clone())
         seen.out.append(_local(out).detach().clone())
         if out.requires_grad:
-            # on the product the logits view (the fp32 head returns a reshape of it): a hook on
-            # the view itself is dropped when the trainer changes the logits in place
-            base = out if out._base is None else out._base
-            base.register_hook(lambda g: seen.grad.append(_local(g).detach().reshape(out.shape).clone()))
+            # the logits are no autograd view (neither the stock head's nor the fp32 head's), so a
+            # hook on them runs after the trainer changes them in place, as FSDP2's does
+            assert not out._is_view()
+            out.register_hook(lambda g: seen.grad.append(_local(g).detach().clone()))
 
+    head.register_forward_pre_hook(pre_hook)
     head.register_forward_hook(forward_hook)
     return seen
 

@@ -6,6 +6,8 @@ DTensor policies, with the logits divided by the temperature in place as its wor
 - FSDP2: ``fully_shard`` on every decoder layer and on the root (``reshard_after_forward=False``),
   ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32, output_dtype=float32)``,
   fp32 master weights, the forward under bf16 autocast; each rank its own token ids.
+- FSDP2 as verl shards a model (``HEAD_UNIT_RUNS``): the head a unit of its own, resharded after
+  its forward, the logits divided in place through ``squeeze(0)``.
 - Tensor parallel: ``parallelize_module`` with NeMo-RL's plan for ``lm_head`` (and, for
   sequence parallelism, ``model.norm``), the same token ids on both ranks. Only the head (and
   the norm) is parallelized, so everything before it is the one-process computation and the
@@ -37,20 +39,32 @@ TP_RUNS = [("colwise", mode) for mode in (None, *MODES)] + [
 ]
 
 
+# FSDP2 as verl's apply_fsdp2 shards a model: the untied head a unit of its own, every unit
+# resharded after its forward, no output cast; the logits divided in place through a view
+# (verl's logits.squeeze(0).div_). The head's backward then needs FSDP2's unshard hook, which
+# runs only if the logits are no autograd view.
+HEAD_UNIT_RUNS = [("qwen2", mode) for mode in (None, "fp32", "fp32out")]
+
+
 def fsdp_ids(rank: int):
     return token_ids(batch=1, seed=10 + rank)  # a packed micro-batch each
 
 
-def fsdp_run(family: str, mode: str | None, rank: int, world: int) -> dict:
+def fsdp_run(family: str, mode: str | None, rank: int, world: int, head_unit: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = tiny(family, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    output = {} if head_unit else {"output_dtype": torch.float32}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **output)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if head_unit:
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    else:
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     apply_fp32_lm_head(model, mode)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head.weight is embedding.weight
@@ -64,7 +78,10 @@ def fsdp_run(family: str, mode: str | None, rank: int, world: int) -> dict:
     ids = fsdp_ids(rank)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids).logits
-    logits = logits.div_(TEMPERATURE)
+    if head_unit:
+        logits.squeeze(0).div_(TEMPERATURE)
+    else:
+        logits = logits.div_(TEMPERATURE)
     grad = torch.randn(logits.shape, generator=torch.Generator().manual_seed(20 + rank))
     logits.backward(grad)
     return {
@@ -151,5 +168,8 @@ def _replicate():
 
 def worker(rank: int, world: int, out_dir: str) -> None:
     results = {("fsdp", family, mode): fsdp_run(family, mode, rank, world) for family, mode in FSDP_RUNS}
+    results.update(
+        {("fsdp-head-unit", family, mode): fsdp_run(family, mode, rank, world, True) for family, mode in HEAD_UNIT_RUNS}
+    )
     results.update({("tp", plan, mode): tp_run(plan, mode, rank, world) for plan, mode in TP_RUNS})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_harness import MODES, U_BF16, V, rel_norm, spawn, tiny, token_ids
-from hf_parallel import FSDP_RUNS, TP_RUNS, fsdp_ids, worker
+from hf_parallel import FSDP_RUNS, HEAD_UNIT_RUNS, TP_RUNS, fsdp_ids, worker
 
 from fp32patch.runtime.hf_lm_head import apply_fp32_lm_head, fp32_linear
 from fp32patch.runtime.lm_head_gemm import lm_head_linear
@@ -89,6 +89,23 @@ def test_fsdp2_gives_the_one_process_heads_logits_and_gradients(ranks, family, m
         shards.append(run["dw_shard"])
         assert run["logits"].dtype == torch.float32  # FSDP2's output cast, or ours before it
     # FSDP2's reduce-scatter in fp32: the mean of the ranks' gradients, each rank its rows
+    assert torch.equal(torch.cat(shards), (dws[0] + dws[1]) / 2)
+
+
+@pytest.mark.parametrize(("family", "mode"), HEAD_UNIT_RUNS)
+def test_fsdp2_with_the_head_a_unit_of_its_own_and_logits_scaled_in_place(ranks, family, mode):
+    # verl's sharding: the head's backward reads its resharded weight, which only FSDP2's
+    # unshard hook on the logits brings back; an in-place scale through a view must not drop it
+    dws, shards = [], []
+    for results in ranks:
+        run = results[("fsdp-head-unit", family, mode)]
+        assert run["weight"].dtype == torch.bfloat16
+        assert run["logits"].dtype == (torch.bfloat16 if mode is None else torch.float32)
+        out, dw = head_step(mode, run["x"], run["weight"], run["grad"])
+        assert torch.equal(run["out"], out)
+        dws.append(dw.float())
+        shards.append(run["dw_shard"])
+    assert all(s.isfinite().all() for s in shards)
     assert torch.equal(torch.cat(shards), (dws[0] + dws[1]) / 2)
 
 
