@@ -77,7 +77,15 @@ COMBOS = {
     "bf16 / fp32out": ("bf16", "fp32out"),
 }
 NEITHER, BOTH, GEN_ONLY, TRAINER_ONLY = COMBOS
-METRICS = ("token_mult_prob_error", "gen_kl_error", "rms_dlogp", "mean_abs_dlogp")
+METRICS = (
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "rms_dlogp",
+    "mean_abs_dlogp",
+    # verl's: what its users read (training/rollout_probs_diff_mean, rollout_actor_probs_pearson_corr)
+    "rollout_probs_diff_mean",
+    "rollout_actor_probs_pearson_corr",
+)
 FORWARD_VARIANTS = ("sdpa", "eager", "fp32-residual")
 SHARP = "trained, head x2"
 
@@ -481,8 +489,13 @@ def summarise(per_seed: list[dict], setup: Setup) -> dict:
     variants = {}
     for name in per_seed[0]["variants"]:
         rows = [seed["variants"][name] for seed in per_seed]
+        # results recorded before a metric was added (verl's, 2026-12-02) summarise without it
         combos = {
-            combo: {metric: spread([row["combos"][combo][metric] for row in rows]) for metric in METRICS}
+            combo: {
+                metric: spread([row["combos"][combo][metric] for row in rows])
+                for metric in METRICS
+                if all(metric in row["combos"][combo] for row in rows)
+            }
             for combo in COMBOS
         }
         margins = {}

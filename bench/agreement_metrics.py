@@ -13,6 +13,10 @@ NeMo-RL's token mask does (prompt and padding left out).
   ``logprobs`` and the trainer's as the reference; no clamping, as for this metric there).
   Every term is >= 0.
 * RMS and mean of |log p_train - log p_gen|, and the largest.
+* ``rollout_probs_diff_mean``: verl's ``training/rollout_probs_diff_mean``, the mean over tokens
+  of |p_train - p_gen| in probabilities (its docstring says "logprob diff"; its code takes the
+  exp first); ``rollout_actor_probs_pearson_corr``: verl's Pearson correlation of the two
+  probabilities over the same tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ def _deltas(logp_train: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor
     return delta[mask.bool()]
 
 
+def _probs(logp: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    p = torch.exp(logp.double())
+    return p.flatten() if mask is None else p[mask.bool()]
+
+
 def token_mult_prob_error(logp_train: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """Mean of exp(|log p_train - log p_gen|) over the (masked) tokens."""
     return torch.exp(_deltas(logp_train, logp_gen, mask).abs()).mean().item()
@@ -51,8 +60,11 @@ def gen_kl_error(logp_train: torch.Tensor, logp_gen: torch.Tensor, mask: torch.T
 def agreement(logp_train: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
     """Every metric of one pair of log-prob tensors."""
     delta = _deltas(logp_train, logp_gen, mask)
+    p_train, p_gen = _probs(logp_train, mask), _probs(logp_gen, mask)
     return {
         "token_mult_prob_error": torch.exp(delta.abs()).mean().item(),
+        "rollout_probs_diff_mean": (p_train - p_gen).abs().mean().item(),
+        "rollout_actor_probs_pearson_corr": torch.corrcoef(torch.stack([p_train, p_gen]))[0, 1].item(),
         "gen_kl_error": (torch.expm1(delta) - delta).mean().item(),
         "rms_dlogp": delta.pow(2).mean().sqrt().item(),
         "mean_abs_dlogp": delta.abs().mean().item(),

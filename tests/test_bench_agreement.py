@@ -21,6 +21,7 @@ def test_identical_log_probs_agree_exactly() -> None:
     assert m.gen_kl_error(logp, logp.clone()) == 0.0
     row = m.agreement(logp, logp.clone())
     assert row["rms_dlogp"] == row["mean_abs_dlogp"] == row["max_abs_dlogp"] == 0.0
+    assert row["rollout_probs_diff_mean"] == 0.0 and row["rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
 
 
 def test_metrics_on_hand_made_log_probs() -> None:
@@ -32,6 +33,14 @@ def test_metrics_on_hand_made_log_probs() -> None:
     assert row["rms_dlogp"] == pytest.approx(math.sqrt((0.01 + 0.04) / 4))
     assert row["mean_abs_dlogp"] == pytest.approx(0.075)
     assert row["max_abs_dlogp"] == pytest.approx(0.2)
+    # verl's: |p_train - p_gen| in probabilities, and their Pearson correlation
+    diffs = [abs(math.exp(t) - math.exp(g)) for t, g in zip(train.tolist(), gen.tolist(), strict=True)]
+    assert row["rollout_probs_diff_mean"] == pytest.approx(sum(diffs) / 4)
+    p_t, p_g = torch.exp(train.double()), torch.exp(gen.double())
+    p_t, p_g = p_t - p_t.mean(), p_g - p_g.mean()
+    assert row["rollout_actor_probs_pearson_corr"] == pytest.approx(
+        ((p_t * p_g).sum() / (p_t.norm() * p_g.norm())).item()
+    )
 
 
 def test_gen_kl_error_is_k3_of_trainer_minus_generation() -> None:
