@@ -15,7 +15,9 @@ GEMM on one line and on three) and, for NeMo-RL (no release of it carries the fi
 project's own fixtures: vllm_worker_async.py (tests/fixtures/nemo_rl/pre_fix.py), and the
 Megatron setup.py of the stand-in checkout (tests/fixtures/nemo_rl_shapes.py) for
 nemo-rl-fp32-lm-head, whose other files go along unchanged; there a breaking mutation must
-also never let an older variant, which leaves the inference model out, take over.
+also never let an older variant, which leaves the inference model out, take over. For
+verl-fp32-lm-head, verl 0.9.1's FSDP engine and vLLM rollout server from its wheel, each with
+the release's other target files unchanged beside it.
 """
 
 from __future__ import annotations
@@ -916,6 +918,230 @@ def _dtensor_correct(path: str) -> Callable[[str, str, str], None]:
     return correct
 
 
+# ---------------------------------------------------------------- verl-fp32-lm-head on verl's FSDP engine and vLLM server
+
+VERL = "0.9.1"
+VERL_FSDP = "verl/workers/engine/fsdp/transformer_impl.py"
+VERL_SERVER = "verl/workers/rollout/vllm_rollout/vllm_async_server.py"
+WRAP = "module = self._build_fsdp_module(module)"
+VISIBLE = "os.environ[get_visible_devices_keyword()] = cuda_visible_devices"
+MONKEY_PATCH = "await engine_client.collective_rpc(method='monkey_patch_model', "
+
+
+def _verl_files() -> dict[str, str]:
+    """verl 0.9.1's files that the spec names, as its wheel holds them (the legacy workers are gone)."""
+    spec = next(s for s in load_specs() if s.id == "verl-fp32-lm-head")
+    paths = [p for _, p in spec.target.files]
+    src = wheel_members("verl", VERL, paths)
+    return {p: (src / p).read_text() for p in paths if (src / p).exists()}
+
+
+def _first_def(tree: ast.Module) -> ast.AST:
+    return next(n for n in tree.body if isinstance(n, (ast.ClassDef, *FUNCS)))
+
+
+def _on_line(find: Find, old: str, new: str) -> Callable[[str, int], str]:
+    """``old`` replaced by ``new`` once, on the first line of the node ``find`` returns that holds it."""
+
+    def mutate(text: str, seed: int) -> str:
+        node = find(ast.parse(text))
+        lines = _lines(text)
+        i = next(i for i in range(node.lineno - 1, node.end_lineno) if old in lines[i])  # type: ignore[attr-defined]
+        lines[i] = lines[i].replace(old, new, 1)
+        return "".join(lines)
+
+    return mutate
+
+
+def _stmt_in(func: Find, start: str) -> Find:
+    """The statement in ``func`` whose source (as ast.unparse writes it) starts with ``start``."""
+    return lambda tree: next(s for s in _statements(func(tree)) if ast.unparse(s).startswith(start))
+
+
+def _verl_benign(spec: Spec, funcs: list[Find], cls: str) -> list[Mutation]:
+    """What both verl files take and must still be patched through: layout, comments, imports, marker text."""
+    marker = f"# fp32patch: {spec.id} [{spec.edit_ids[-1]}]"
+    return [
+        Mutation("reformat-signature", reformat_signature(funcs)),
+        Mutation("comment-line", comment_line(funcs[0])),
+        Mutation("comment-line-2", comment_line(funcs[-1])),
+        Mutation(
+            "end-of-line-comment",
+            end_of_line_comment(lambda t: _path(t, cls), f"# fp32patch: {spec.id} [{spec.edit_ids[0]}]"),
+        ),
+        Mutation("blank-lines", blank_lines(funcs[-1])),
+        Mutation("decorator", decorator(funcs)),
+        Mutation("docstring", docstring(funcs, marker)),
+        Mutation("marker-strings", marker_strings(spec)),
+        # the gate goes after the last import before the first def or class, wherever that is
+        Mutation("grow-imports", _grow_imports_before(_first_def)),  # type: ignore[arg-type]
+        Mutation("late-import", insert_at(_first_def, lambda ind, seed: "import json as _json_late\n\n\n")),
+        Mutation("import-after-defs", append("import json as _json_after\n")),
+    ]
+
+
+FSDP_OVERRIDE = f"""\
+def _build_model_optimizer(self):
+    module = self._build_module()
+    {WRAP}
+    self.module = module
+
+"""
+
+FSDP_OTHER_METHOD = f"""\
+def _rewrap(self, module):
+    {WRAP}
+    return module
+
+"""
+
+FSDP_NESTED_WRAP = f"""\
+def _rewrap(module):
+    {WRAP}
+    return module
+"""
+
+
+def _fsdp_build(tree: ast.Module) -> ast.AST:
+    return _path(tree, "FSDPEngine", "_build_model_optimizer")
+
+
+def _fsdp_mutations(spec: Spec) -> list[Mutation]:
+    wrap = _stmt_in(_fsdp_build, WRAP)
+    override_in_class = "".join("    " + line if line.strip() else line for line in _lines(FSDP_OVERRIDE))
+    return [
+        *_verl_benign(spec, [lambda t: _path(t, "FSDPEngine", "_build_fsdp_module"), _fsdp_build], "FSDPEngine"),
+        # decoys: the wrap statement where the spec does not look
+        Mutation(
+            "subclass-override",
+            insert_at(lambda t: _path(t, "FSDPEngineWithLMHead"), _block(FSDP_OVERRIDE), where="body"),
+        ),
+        Mutation("other-method", insert_at(_fsdp_build, _block(FSDP_OTHER_METHOD))),
+        Mutation("module-level-namesake", append(FSDP_OVERRIDE)),
+        Mutation("decoy-class", append(f"class FSDPEngine2(FSDPEngine):\n{override_in_class}")),
+        # breaking: each must be refused
+        Mutation("wrap-twice", insert_at(wrap, _block(WRAP)), breaking=True),
+        Mutation("wrap-in-nested-def", insert_at(wrap, _block(FSDP_NESTED_WRAP)), breaking=True),
+        Mutation("wrap-changed", _on_line(wrap, "(module)", "(module, self.device_mesh)"), breaking=True),
+        Mutation(
+            "method-renamed",
+            _on_line(_fsdp_build, "def _build_model_optimizer", "def _build_model_and_optimizer"),
+            breaking=True,
+        ),
+        # the inserted code tells the critic by its class: without that class, an undefined name
+        Mutation(
+            "value-head-class-renamed",
+            _on_line(lambda t: _path(t, "FSDPEngineWithValueHead"), "FSDPEngineWithValueHead", "FSDPValueEngine"),
+            breaking=True,
+        ),
+        Mutation(
+            "duplicate-class",
+            append(
+                "if TYPE_CHECKING:\n\n    class FSDPEngine:\n        def _build_model_optimizer(self):\n"
+                f"            {WRAP}\n"
+            ),
+            breaking=True,
+        ),
+        Mutation("gate-name-clash", append("_fp32patch_wire_hf = None\n"), breaking=True),
+    ]
+
+
+SERVER_DECOY = f"""\
+class vLLMHttpServerDecoy:
+    def __init__(self, config, model_config, cuda_visible_devices):
+        {VISIBLE}
+
+    async def run_server(self, args):
+        engine_client = None
+        await engine_client.collective_rpc(method="monkey_patch_model", kwargs={{"vocab_size": 1}})
+
+
+"""
+
+SERVER_NESTED_PATCH = """\
+async def _again():
+    await engine_client.collective_rpc(method="monkey_patch_model", kwargs={})
+"""
+
+
+def _server_init(tree: ast.Module) -> ast.AST:
+    return _path(tree, "vLLMHttpServer", "__init__")
+
+
+def _server_run(tree: ast.Module) -> ast.AST:
+    return _path(tree, "vLLMHttpServer", "run_server")
+
+
+def _server_mutations(spec: Spec) -> list[Mutation]:
+    visible = _stmt_in(_server_init, VISIBLE)
+    patch_call = _stmt_in(_server_run, MONKEY_PATCH)
+    return [
+        *_verl_benign(spec, [_server_init, _server_run], "vLLMHttpServer"),
+        # decoys: the anchors where the spec does not look
+        Mutation("decoy-class", insert_at(lambda t: _path(t, "vLLMHttpServer"), _block(SERVER_DECOY))),
+        Mutation(
+            "module-level-namesakes",
+            append(
+                f"def __init__(model_config, cuda_visible_devices):\n    {VISIBLE}\n\n\n"
+                "async def run_server(engine_client):\n"
+                '    await engine_client.collective_rpc(method="monkey_patch_model", kwargs={})\n'
+            ),
+        ),
+        Mutation(
+            "other-rpc",
+            insert_at(patch_call, _block('await engine_client.collective_rpc(method="report_device_id", kwargs={})')),
+        ),
+        # breaking: each must be refused
+        Mutation("visible-devices-twice", insert_at(visible, _block(VISIBLE)), breaking=True),
+        Mutation("visible-devices-changed", _on_line(visible, "= cuda_visible_devices", "= str(gpus)"), breaking=True),
+        Mutation("monkey-patch-in-nested-def", insert_at(patch_call, _block(SERVER_NESTED_PATCH)), breaking=True),
+        Mutation("monkey-patch-renamed", _on_line(patch_call, '"monkey_patch_model"', '"patch_model"'), breaking=True),
+        # the variable's call reads __init__'s model_config: renamed in the signature, an undefined name
+        Mutation("model-config-renamed", _on_line(_server_init, "model_config,", "model_cfg,"), breaking=True),
+        Mutation("run-server-renamed", _on_line(_server_run, "def run_server", "def serve"), breaking=True),
+        Mutation(
+            "class-renamed",
+            _on_line(lambda t: _path(t, "vLLMHttpServer"), "class vLLMHttpServer", "class vLLMServer"),
+            breaking=True,
+        ),
+        Mutation("gate-name-clash", append("def _fp32patch_vllm_env(*args):\n    pass\n"), breaking=True),
+    ]
+
+
+def _verl_correct(edits: list[tuple[str, str, str, str]]) -> Callable[[str, str, str], None]:
+    """Each of ``edits`` (class, method, the statement it follows, edit id) landed right after its
+    anchor, the gate whole right after the imports, and nothing else changed."""
+
+    def correct(before: str, after: str, args: str) -> None:
+        spec = next(s for s in load_specs() if s.id == "verl-fp32-lm-head")
+        variant = next(v for v in spec.variants if v.name == args)
+        codes = {e.id: e.code for e in variant.edits}
+        tree = ast.parse(after)
+        for cls, func, anchor, edit_id in edits:
+            _follows(_path(tree, cls, func), anchor, ast.unparse(ast.parse(codes[edit_id]).body[0]))
+        # the gate: the snippet whole, after the last import that comes before the first def or class
+        gate = ast.parse(next(e.code for e in variant.edits if e.op == "insert_after_imports")).body
+        original = ast.parse(before)
+        first = original.body.index(_first_def(original))
+        at = 1 + max(i for i, n in enumerate(original.body[:first]) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        assert [ast.dump(n) for n in tree.body[at : at + len(gate)]] == [ast.dump(n) for n in gate]
+        stripper = _StripSetup()
+        stripped = stripper.visit(ast.parse(after))
+        assert len(stripper.removed) == len(gate) + len(edits), stripper.removed
+        assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it should"
+
+    return correct
+
+
+_fsdp_correct = _verl_correct([("FSDPEngine", "_build_model_optimizer", WRAP, "wire-fsdp")])
+_server_correct = _verl_correct(
+    [
+        ("vLLMHttpServer", "__init__", VISIBLE, "vllm-env"),
+        ("vLLMHttpServer", "run_server", MONKEY_PATCH, "probe-server"),
+    ]
+)
+
+
 # ---------------------------------------------------------------- the property
 
 
@@ -1008,6 +1234,24 @@ CASES = [
             others=lambda path=path: {p: t.encode() for p, t in _nemo_rl_checkout().items() if p != path},
         )
         for label, path in (("dtensor", DTENSOR), ("dtensor-v2", DTENSOR_V2))
+    ),
+    *(
+        Case(
+            "verl-fp32-lm-head",
+            f"verl-{VERL}-{label}",
+            lambda path=path: _verl_files()[path],
+            VERL,
+            path,
+            mutations,
+            correct,
+            "engine-workers",
+            12,
+            others=lambda path=path: {p: t.encode() for p, t in _verl_files().items() if p != path},
+        )
+        for label, path, mutations, correct in (
+            ("fsdp-engine", VERL_FSDP, _fsdp_mutations, _fsdp_correct),
+            ("vllm-server", VERL_SERVER, _server_mutations, _server_correct),
+        )
     ),
 ]
 
