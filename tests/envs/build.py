@@ -1,4 +1,4 @@
-"""Build (or reuse) the heavy test environments: real vLLM, real megatron-core, real transformers.
+"""Build (or reuse) the heavy test environments: real vLLM, real megatron-core, real transformers, real verl.
 
 Each environment is a virtualenv under ``$FP32PATCH_TEST_CACHE`` (default
 ``~/.cache/fp32patch-tests``), outside the repository, installed from a lock kept beside
@@ -51,6 +51,20 @@ RECIPES: dict[str, list[list[str]]] = {
     "transformers": [
         ["install", "torch==2.13.0"],
         ["install", "transformers==5.5.4", "peft==0.21.2"],
+    ],
+    # verl's newest release, whole (no vLLM or SGLang: the suite runs its FSDP engine and config
+    # on the CPU), at the transformers release NeMo-RL pins (verl 0.9.1 allows 5.5.3-5.10); the
+    # verl-core extra and pytest-asyncio are what verl's own CPU tests (from its sdist) import
+    "verl-0.9.1": [
+        ["install", "torch==2.13.0"],
+        ["install", "verl[verl-core]==0.9.1", "transformers==5.5.4", "torch==2.13.0", "pytest-asyncio"],
+    ],
+    # verl 0.7.1: the last release with the legacy FSDP workers beside the engine, whose rmpad
+    # path divides the logits in place. It pins numpy<2, which pyarrow 26 needs without declaring
+    # it (import pyarrow fails), hence pyarrow<26
+    "verl-0.7.1": [
+        ["install", "torch==2.13.0"],
+        ["install", "verl==0.7.1", "transformers==5.5.4", "pyarrow<26", "torch==2.13.0", "pytest-asyncio"],
     ],
     # fp32patch's own dependencies at the lowest versions pyproject.toml allows (the main
     # suite's .venv has the newest), with what the main suite needs to run.
