@@ -304,7 +304,6 @@ REFUSALS = [
         UnsupportedLmHeadError,
         r"CausalLM\.lm_head\.forward was already replaced",
     ),
-    (lambda: CausalLM(dtype=torch.float32), UnsupportedLmHeadError, r"CausalLM\.lm_head sees a float32 head weight"),
     (RewardModel, NoLmHeadError, r"RewardModel has no LM head \(get_output_embeddings\(\) is None"),
     (
         lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)),
@@ -332,6 +331,41 @@ def test_refusals_name_what_was_found_and_change_nothing(make, error, message):
 def test_the_error_types_are_type_errors():
     # a trainer can catch the refusals as one type, a missing head as its own
     assert issubclass(NoLmHeadError, UnsupportedLmHeadError) and issubclass(UnsupportedLmHeadError, TypeError)
+
+
+def test_an_fp32_weight_under_a_bf16_autocast_is_computed_from_its_bf16_copy():
+    """A trainer's fp32 master weights without FSDP (verl's dp_actor under its bf16 autocast):
+    the stock head computes bf16 logits from the autocast's bf16 copies; the fp32 head computes
+    fp32 logits from the same copies, and the gradient reaches the fp32 weight."""
+    model = CausalLM(dtype=torch.float32)
+    apply_fp32_lm_head(model, "fp32out")
+    x = torch.randn(3, 5, H, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.lm_head(x)
+    assert logits.dtype == torch.float32
+    w = model.lm_head.weight.detach().bfloat16()
+    xb = x.detach().bfloat16()
+    assert torch.equal(logits.detach(), lm_head_linear(xb, w, None, "fp32out"))
+    grad = torch.randn_like(logits)
+    logits.backward(grad)
+    assert model.lm_head.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    # the GEMM's own gradient (bf16 for fp32out), carried back through the casts
+    w_ref = w.clone().requires_grad_()
+    x_ref = xb.clone().requires_grad_()
+    lm_head_linear(x_ref, w_ref, None, "fp32out").backward(grad)
+    assert torch.equal(model.lm_head.weight.grad, w_ref.grad.float())
+    assert torch.equal(x.grad, x_ref.grad.float())
+
+
+def test_an_fp32_weight_outside_an_autocast_is_refused_by_the_forward():
+    model = CausalLM(dtype=torch.float32)
+    apply_fp32_lm_head(model, "fp32out")  # the forward decides: it sees the autocast or not
+    with pytest.raises(
+        UnsupportedLmHeadError, match="the forward sees a float32 head weight outside a bf16/fp16 autocast"
+    ):
+        model.lm_head(torch.randn(2, H))
+    with torch.autocast("cpu", dtype=torch.float16, enabled=False), pytest.raises(UnsupportedLmHeadError):
+        model.lm_head(torch.randn(2, H))
 
 
 def test_an_fp32_weight_seen_by_the_forward_is_refused_there():

@@ -43,10 +43,11 @@ Errors (the NeMo-RL wiring relies on these types):
   message names what was found: a LoRA-wrapped head (peft's ``lora.Linear``, an Automodel-style
   LoRA linear, any head with adapter attributes or submodules), a Transformer Engine or other
   custom linear, a ``forward`` already replaced by someone else, or an fp32 weight at compute
-  time (raised by ``apply_fp32_lm_head`` when the weight is fp32 and no FSDP casts it, else
-  by the forward that sees it: under FSDP2, or FSDP1's wrapper, with ``param_dtype=bfloat16``
-  the fp32 master weight is bf16 in the forward, the normal case). The DTensor layouts above that are not
-  supported raise it too, at the call.
+  time outside a bf16/fp16 autocast (raised by the forward that sees it: under FSDP2, or
+  FSDP1's wrapper, with ``param_dtype=bfloat16`` the fp32 master weight is bf16 in the
+  forward, the normal case; under a trainer's ``torch.autocast(dtype=bfloat16)`` an fp32
+  weight is computed from its bf16 copy, as the stock head under that autocast computes, with
+  fp32 output). The DTensor layouts above that are not supported raise it too, at the call.
 - ``NoLmHeadError`` (an ``UnsupportedLmHeadError``): the model has no LM head
   (``get_output_embeddings()`` is None: reward and value models).
 
@@ -142,7 +143,14 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``x @ weight.T (+ bias)`` with fp32 output, for plain tensors and DTensors, as the head
     computes it (see the module doc)."""
     if str(weight.dtype).removeprefix("torch.") not in _LOW_PRECISION:
-        raise UnsupportedLmHeadError(_fp32_weight(weight.dtype, "the forward"))
+        # an fp32 weight under a bf16/fp16 autocast (a trainer's fp32 master weights without
+        # FSDP's param_dtype): the stock head computes from the autocast-rounded weight, and so
+        # does this one, inside the autograd graph (the gradient reaches the fp32 weight)
+        dtype = _autocast_dtype(weight.device.type)
+        if dtype is None:
+            raise UnsupportedLmHeadError(_fp32_weight(weight.dtype, "the forward"))
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     if _is_dtensor(weight):
         return _dtensor_linear(x, weight, bias, mode)
     if _is_dtensor(x):
@@ -151,6 +159,24 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             "tensor; parallelize the head with the rest of the model or not at all"
         )
     return lm_head_linear(x.to(weight.dtype), weight, bias, mode)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The low-precision dtype an enabled autocast on ``device_type`` computes linears in, or None."""
+    import torch
+
+    try:
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: no per-device queries
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        elif device_type == "cuda":
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+        else:
+            return None
+    if not enabled or str(dtype).removeprefix("torch.") not in _LOW_PRECISION:
+        return None
+    return dtype
 
 
 def _dtensor_linear(x: Any, weight: Any, bias: Any, mode: str) -> Any:
@@ -268,13 +294,9 @@ def _check_convertible(head: Any, where: str, path: list[Any]) -> None:
             f"fp32 LM head: {where}.forward was already replaced by {head.__dict__['forward']!r}; "
             "refusing to stack on it"
         )
-    # under FSDP the weight at rest may be an fp32 master or a flat shard: the forward checks
-    # the dtype it is handed
-    if any(_is_fsdp(module) for module in (*path, head)):
-        return
-    weight = head.weight
-    if str(weight.dtype).removeprefix("torch.") not in _LOW_PRECISION:
-        raise UnsupportedLmHeadError(_fp32_weight(weight.dtype, where))
+    # an fp32 weight is checked by the forward, which sees the dtype it is handed and the
+    # autocast around it: under FSDP the weight at rest may be an fp32 master or a flat shard
+    # that is bf16 in the forward, and a trainer's bf16 autocast computes from a bf16 copy
 
 
 def _adapter_names(head: Any) -> list[str]:
@@ -309,8 +331,9 @@ def _is_fsdp(module: Any) -> bool:
 
 def _fp32_weight(dtype: Any, where: str) -> str:
     return (
-        f"fp32 LM head: {where} sees a {str(dtype).removeprefix('torch.')} head weight; the fp32-output "
-        "head is for bf16/fp16 weights (an fp32 head, e.g. lm_head_precision: float32 or precision: "
-        "float32, computes fp32 logits already, from values vLLM's bf16 head does not have); turn "
-        "fp32_lm_head off, or run the head in bf16 (FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16))"
+        f"fp32 LM head: {where} sees a {str(dtype).removeprefix('torch.')} head weight outside a bf16/fp16 "
+        "autocast; the fp32-output head is for bf16/fp16 weights (an fp32 head, e.g. lm_head_precision: "
+        "float32 or precision: float32, computes fp32 logits already, from values vLLM's bf16 head does "
+        "not have); turn fp32_lm_head off, or run the head in bf16 (FSDP2's "
+        "MixedPrecisionPolicy(param_dtype=bfloat16), or the forward under torch.autocast(dtype=torch.bfloat16))"
     )

@@ -125,3 +125,20 @@ def test_logits_divided_in_place_train_as_out_of_place(mode):
 
     for got, expected in zip(step(True), step(False), strict=True):
         assert torch.equal(got, expected)
+
+
+def test_an_fp32_master_weight_under_bf16_autocast_uses_the_out_dtype_kernel_on_its_bf16_copy():
+    """fp32 weights without FSDP under a trainer's bf16 autocast (verl's dp_actor): the head
+    computes from the weight's bf16 copy (what the stock head under that autocast computes
+    from) with the bf16 x bf16 -> fp32 kernel, and the gradient reaches the fp32 weight."""
+    hidden, weight = _inputs(3)
+    model = apply_fp32_lm_head(CausalLM(weight.float()), "fp32out")
+    assert model.lm_head.weight.dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model.lm_head(hidden.float())
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.mm(hidden, weight.t(), out_dtype=torch.float32))
+    assert _rel(logits, hidden, weight) < FP32_LOGITS
+    logits.sum().backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    assert torch.isfinite(model.lm_head.weight.grad).all()

@@ -291,7 +291,26 @@ def test_reward_and_value_models_are_refused_as_having_no_head():
         apply_fp32_lm_head(reward, "fp32out")
 
 
-def test_an_fp32_head_is_refused():
+def test_an_fp32_head_is_refused_outside_an_autocast():
     # precision: float32 (or an fp32 lm_head) without FSDP2 casting it: fp32 at compute time
-    with pytest.raises(UnsupportedLmHeadError, match=r"Qwen2ForCausalLM\.lm_head sees a float32 head weight"):
-        apply_fp32_lm_head(tiny("qwen2", dtype=torch.float32), "fp32out")
+    model = apply_fp32_lm_head(tiny("qwen2", dtype=torch.float32), "fp32out")
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(UnsupportedLmHeadError, match=r"the forward sees a float32 head weight outside a bf16/fp16"):
+        model(input_ids=ids)
+
+
+def test_an_fp32_model_under_a_bf16_autocast_gets_fp32_logits_from_the_bf16_head():
+    # fp32 master weights without FSDP, the forward under a trainer's bf16 autocast (verl's
+    # dp_actor): the stock head's bf16 GEMM inputs, fp32 output
+    stock = tiny("qwen2", dtype=torch.float32)
+    model = apply_fp32_lm_head(copy.deepcopy(stock), "fp32out")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = model(input_ids=ids, output_hidden_states=True)
+        theirs = stock(input_ids=ids)
+    assert ours.logits.dtype == torch.float32 and theirs.logits.dtype == torch.bfloat16
+    hidden = ours.hidden_states[-1].detach().bfloat16().double()
+    exact = hidden @ stock.lm_head.weight.detach().bfloat16().double().T
+    assert ((ours.logits.double() - exact).norm() / exact.norm()).item() < 1e-6
+    # the stock head's logits are the same GEMM rounded to bf16
+    assert (theirs.logits.float() - ours.logits).abs().max() <= 2**-7 * ours.logits.abs().max()
