@@ -1,5 +1,6 @@
-"""What every RL stack's config guard shares: configs read as plain dicts, the hint for a
-boolean written as a string, near-miss keys, and the measured case against one side alone.
+"""What every RL stack's config guard shares: configs read as plain dicts, the trainer key's
+value read with its hints, the hint for a boolean written as a string, near-miss keys, and the
+measured case against one side alone.
 Pure Python: no torch."""
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ def quoted_boolean(raw: object) -> str:
 
 # How close (difflib ratio of the normalised spellings) a key must come to count as a near miss.
 _CLOSENESS = 0.85
+
+
+def trainer_mode(raw: object, key: str) -> str | None:
+    """The trainer mode ``raw`` (a config's value at ``key``) names, None for off; raises
+    ``Fp32LmHeadConfigError`` naming the key, a hint for a quoted boolean or a capitalised
+    name, and the valid values."""
+    from fp32patch.runtime.errors import Fp32LmHeadConfigError
+    from fp32patch.runtime.modes import MEGATRON_MODES, MEGATRON_VALUES_TEXT, megatron_mode
+
+    try:
+        return megatron_mode(raw)
+    except ValueError:
+        hint = quoted_boolean(raw)
+        if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
+            hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
+        raise Fp32LmHeadConfigError(
+            f"{key} = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
+        ) from None
 
 
 def _normalised(key: str) -> str:

@@ -48,14 +48,12 @@ from typing import Any
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.modes import (
     MEGATRON_MODES,
-    MEGATRON_VALUES_TEXT,
     VLLM_ENV_VAR,
     VLLM_OFF_VALUES,
     VLLM_ON_VALUES,
     VLLM_VALUES_TEXT,
-    megatron_mode,
 )
-from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean
+from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean, trainer_mode
 
 # The switches as NeMo-RL's messages name them.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"
@@ -179,16 +177,7 @@ def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, A
 
 
 def _trainer_mode(section: Mapping[str, Any], name: str, prefix: str) -> str | None:
-    raw = section.get("fp32_lm_head")
-    try:
-        return megatron_mode(raw)
-    except ValueError:
-        hint = quoted_boolean(raw)
-        if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
-            hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
-        raise Fp32LmHeadConfigError(
-            f"{prefix}{name}.fp32_lm_head = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
-        ) from None
+    return trainer_mode(section.get("fp32_lm_head"), f"{prefix}{name}.fp32_lm_head")
 
 
 def _enabled_backend(sections: Mapping[str, Mapping[str, Any]]) -> str | None:

@@ -41,15 +41,12 @@ from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.modes import (
-    MEGATRON_MODES,
-    MEGATRON_VALUES_TEXT,
     VLLM_ENV_VAR,
     VLLM_OFF_VALUES,
     VLLM_ON_VALUES,
     VLLM_VALUES_TEXT,
-    megatron_mode,
 )
-from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, plain, quoted_boolean
+from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, plain, trainer_mode
 
 KEY = "actor_rollout_ref.model.fp32_lm_head"
 # trainer strategies whose actor and ref models the patch wires (the FSDP engine and legacy
@@ -173,15 +170,7 @@ def model_mode(model: Any, key: str = KEY) -> str | None:
     """The trainer mode that ``actor_rollout_ref.model`` (a mapping, a DictConfig or verl's
     ``HFModelConfig``) asks for; None for off. Raises ``Fp32LmHeadConfigError``."""
     raw = model.get("fp32_lm_head") if hasattr(model, "get") else getattr(model, "fp32_lm_head", None)
-    try:
-        return megatron_mode(raw)
-    except ValueError:
-        hint = quoted_boolean(raw)
-        if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
-            hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
-        raise Fp32LmHeadConfigError(
-            f"{key} = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
-        ) from None
+    return trainer_mode(raw, key)
 
 
 def as_plain(config: Any) -> Any:
