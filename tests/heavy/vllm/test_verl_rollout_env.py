@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib.metadata import version
 
 import pytest
 import torch
+from packaging.version import Version
 
 from fp32patch.runtime.fp32out import out_dtype_supported
 from fp32patch.runtime.verl import (
@@ -54,8 +56,12 @@ def test_the_key_reaches_every_worker_and_the_probe_passes(server_env, caplog, m
     assert set_vllm_env(model_config, where=WHERE) == "1"
     assert os.environ[VAR] == "1"
     reports = _spawn_workers()
-    # "1" is the best way there is: fp32out where torch has the out_dtype kernel (CUDA), else copy
-    way = "fp32out" if out_dtype_supported(torch.device("cpu"), torch.bfloat16) else "copy"
+    # "1" is the best way there is: vLLM's own head_dtype from 0.26 (outside every verl release's
+    # pin, tested all the same), before it fp32out where torch has the out_dtype kernel (CUDA), else copy
+    if Version(version("vllm")) >= Version("0.26"):
+        way = "native"
+    else:
+        way = "fp32out" if out_dtype_supported(torch.device("cpu"), torch.bfloat16) else "copy"
     assert [(r["dtype"], r["way"], r["env"]) for r in reports] == [("float32", way, "1")] * 2
     assert len({r["pid"] for r in reports} | {os.getpid()}) == 3
     with caplog.at_level(logging.INFO, logger="verl.fp32patch"):
