@@ -18,32 +18,17 @@ from fp32patch.runtime.hf_lm_head import (
 )
 from fp32patch.runtime.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import MEGATRON_MODES
+from tests.support import tiny_lm
 from tests.support.in_place import CHANGES, assert_same_bits, change
 
 T, H, V = 12, 32, 96
 
 
-class CausalLM(torch.nn.Module):
-    """What the override meets in a transformers causal LM: an embedding, a body, ``lm_head``
-    (an ``nn.Linear``) returned by ``get_output_embeddings()``, optionally tied."""
+class CausalLM(tiny_lm.CausalLM):
+    """What the override meets in a transformers causal LM (tests/support/tiny_lm.py), at this module's sizes."""
 
     def __init__(self, tied: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed_tokens = torch.nn.Embedding(V, H, dtype=dtype)
-        self.body = torch.nn.Linear(H, H, dtype=dtype)
-        self.lm_head = torch.nn.Linear(H, V, bias=False, dtype=dtype)
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.body(self.embed_tokens(ids)))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden(ids))
+        super().__init__(H, V, tied=tied, seed=seed, dtype=dtype)
 
 
 class RewardModel(torch.nn.Module):

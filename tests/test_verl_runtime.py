@@ -34,6 +34,7 @@ from fp32patch.runtime.verl import (
     wire_hf,
     wire_megatron,
 )
+from tests.support import tiny_lm
 
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 UNSET = object()
@@ -472,24 +473,11 @@ def test_a_server_args_class_that_is_no_dataclass_is_read_by_its_attributes():
 T, H, V = 6, 16, 40
 
 
-class CausalLM(torch.nn.Module):
-    """A Hugging Face-shaped causal LM in bf16: embedding, a body, ``lm_head`` through get_output_embeddings()."""
+class CausalLM(tiny_lm.CausalLM):
+    """A Hugging Face-shaped causal LM in bf16 (tests/support/tiny_lm.py), at this module's sizes."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed_tokens = torch.nn.Embedding(V, H, dtype=torch.bfloat16)
-        self.body = torch.nn.Linear(H, H, dtype=torch.bfloat16)
-        self.lm_head = torch.nn.Linear(H, V, bias=False, dtype=torch.bfloat16)
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.body(self.embed_tokens(ids)))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden(ids))
+        super().__init__(H, V)
 
 
 class CriticModel(torch.nn.Module):
