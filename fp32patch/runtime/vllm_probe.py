@@ -5,7 +5,8 @@ with its LM head.
 ``compute_logits`` (vLLM's own logits processor and gather) and reports their dtype, the
 runtime's way and why, the switch as that process sees it, and whether the model's files
 carry fp32patch's edits. Any RL stack's vLLM worker can call it; each stack's glue holds the
-reports to its own config (``fp32patch.runtime.nemo_rl.check_probe_reports``).
+reports to its own config (``fp32patch.runtime.nemo_rl.check_probe_reports``,
+``fp32patch.runtime.verl.check_reports``) through ``disagreeing_reports``.
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from fp32patch.runtime.errors import Fp32LmHeadMismatchError
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 
 MARKER = "# fp32patch:"
@@ -214,3 +217,29 @@ _WAY_REASONS = {
     "native": "vLLM computes this head in fp32 itself (head_dtype=float32)",
     "stock": "the runtime kept vLLM's stock bf16 path",
 }
+
+
+def disagreeing_reports(
+    reports: Any, expect_fp32: bool, why: Callable[[int, Mapping[str, Any]], str], *, where: str
+) -> tuple[list[Any], list[tuple[int, Any, str]]]:
+    """Hold the workers' reports (as a ``collective_rpc`` returns them; nested lists, one per
+    engine, flattened in order) to one expectation: every worker float32, or none. Returns the
+    flat reports and ``(index, report, reason)`` for each worker that disagrees (``why`` words
+    the reason of a report that came back); raises ``Fp32LmHeadMismatchError`` when no worker
+    reported at all."""
+    flat = _flatten(reports)
+    if not flat:
+        raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
+    bad: list[tuple[int, Any, str]] = []
+    for index, report in enumerate(flat):
+        if not isinstance(report, Mapping):
+            bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
+        elif (report.get("dtype") == "float32") != expect_fp32:
+            bad.append((index, report, why(index, report)))
+    return flat, bad
+
+
+def _flatten(reports: Any) -> list[Any]:
+    if isinstance(reports, (list, tuple)):
+        return [item for nested in reports for item in _flatten(nested)]
+    return [reports]

@@ -22,6 +22,7 @@ from fp32patch.runtime.nemo_rl.config import (
     Fp32LmHeadSettings,
     checked_settings,
 )
+from fp32patch.runtime.vllm_probe import disagreeing_reports
 
 # The method NeMo-RL's patched vLLM worker extension gets; the driver calls it by this name
 # through NeMo-RL's collective_rpc.
@@ -60,17 +61,12 @@ def check_probe_reports(
         key, expect_fp32 = MEGATRON_KEY, mode is not None
         if asked_by is not None and recorded is not None:  # it knows the trainer's backend
             key = recorded.trainer_key
-    flat = _flatten(reports)
-    if not flat:
-        raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
-    bad: list[tuple[int, Any, str]] = []
-    for index, report in enumerate(flat):
-        if not isinstance(report, Mapping):
-            bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
-            continue
-        dtype = report.get("dtype")
-        if (expect_fp32 and dtype != "float32") or (not expect_fp32 and dtype == "float32"):
-            bad.append((index, report, _disagreement(index, report, mode if expect_fp32 else None, key, asked_by)))
+    flat, bad = disagreeing_reports(
+        reports,
+        expect_fp32,
+        lambda i, r: _disagreement(i, r, mode if expect_fp32 else None, key, asked_by),
+        where=where,
+    )
     if bad:
         if expect_fp32:
             why = "vLLM's switch asks every worker for fp32 logits, and these would generate from bf16 ones"
@@ -130,12 +126,6 @@ def _trainer_said(settings: Fp32LmHeadSettings | None) -> str:
     if settings.one_sided:
         return said + f" (one side alone, accepted by policy.{ONE_SIDED_KEY})"
     return said + ", held to the same switch by the config guard"
-
-
-def _flatten(reports: Any) -> list[Any]:
-    if isinstance(reports, (list, tuple)):
-        return [item for nested in reports for item in _flatten(nested)]
-    return [reports]
 
 
 def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, key: str, asked_by: str | None) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from fp32patch.runtime.errors import Fp32LmHeadMismatchError
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, model_mode
+from fp32patch.runtime.vllm_probe import disagreeing_reports
 
 PROBE_RPC = "fp32patch_probe_lm_head"
 
@@ -46,17 +47,7 @@ def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
     """Refuse (``Fp32LmHeadMismatchError``) when a worker's logits disagree with the key: on, every
     worker computes float32 logits; off, none does. Logs one line when all agree."""
     mode = model_mode(model_config)
-    flat = _flatten(reports)
-    if not flat:
-        raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
-    bad: list[tuple[int, Any, str]] = []
-    for index, report in enumerate(flat):
-        if not isinstance(report, Mapping):
-            bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
-            continue
-        fp32 = report.get("dtype") == "float32"
-        if fp32 != (mode is not None):
-            bad.append((index, report, _why(index, report, mode)))
+    flat, bad = disagreeing_reports(reports, mode is not None, lambda i, r: _why(i, r, mode), where=where)
     if bad:
         lines = [f"fp32patch ({where}): the rollout's logits do not follow {KEY}={mode!r}:"]
         lines += [f"  {reason}" for _, _, reason in bad]
@@ -72,12 +63,6 @@ def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
         KEY,
         mode,
     )
-
-
-def _flatten(reports: Any) -> list[Any]:
-    if isinstance(reports, (list, tuple)):
-        return [item for nested in reports for item in _flatten(nested)]
-    return [reports]
 
 
 def _why(index: int, report: Mapping[str, Any], mode: str | None) -> str:
