@@ -1,4 +1,4 @@
-"""What every RL stack's config guard shares: configs read as plain dicts, the trainer key's
+"""What every RL stack's config guard shares: configs read as plain dicts and their sections, the trainer key's
 value read with its hints, the hint for a boolean written as a string, near-miss keys, and the
 measured case against one side alone.
 Pure Python: no torch."""
@@ -31,6 +31,19 @@ def plain(value: Any) -> Any:
     legacy = getattr(value, "dict", None)  # pydantic 1
     if callable(legacy) and hasattr(value, "__fields__") and not isinstance(value, type):
         return plain(legacy())
+    return value
+
+
+def section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, Any]:
+    """``parent[key]`` as a mapping ({} where it is absent or null); anything else is refused
+    with ``Fp32LmHeadConfigError`` naming the key (``prefix`` leads to ``parent``)."""
+    from fp32patch.runtime.errors import Fp32LmHeadConfigError
+
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise Fp32LmHeadConfigError(f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})")
     return value
 
 

@@ -53,7 +53,7 @@ from fp32patch.runtime.modes import (
     VLLM_ON_VALUES,
     VLLM_VALUES_TEXT,
 )
-from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean, trainer_mode
+from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean, section, trainer_mode
 
 # The switches as NeMo-RL's messages name them.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"
@@ -117,7 +117,7 @@ def validate_fp32_lm_head_config(
     their own. Raises ``Fp32LmHeadConfigError`` naming the key and the valid values.
     """
     cfg, prefix = _policy(cfg)
-    sections = {name: _section(cfg, name, prefix) for name in TRAINER_SECTIONS}
+    sections = {name: section(cfg, name, prefix) for name in TRAINER_SECTIONS}
     _refuse_near_misses(cfg, sections, prefix)
     modes = {name: _trainer_mode(section, name, prefix) for name, section in sections.items()}
     trainer = _trainer_section(sections, modes, prefix)
@@ -127,7 +127,7 @@ def validate_fp32_lm_head_config(
     allow = _one_sided_allowed(cfg, prefix)
     settings = {"megatron": modes["megatron_cfg"], "dtensor": modes["dtensor_cfg"], "section": trainer}
 
-    generation = _section(cfg, "generation", prefix)
+    generation = section(cfg, "generation", prefix)
     if generation.get("backend") not in VLLM_BACKENDS:
         return Fp32LmHeadSettings(vllm=None, **settings)
     vllm, source, notes = _vllm_value(generation, prefix, os.environ if environ is None else environ)
@@ -163,17 +163,8 @@ def _policy(cfg: Any) -> tuple[Mapping[str, Any], str]:
         raise Fp32LmHeadConfigError(f"expected the policy config as a mapping, got {type(cfg).__name__}")
     # A whole config was passed: validating its top level would silently find nothing.
     if "megatron_cfg" not in cfg and "generation" not in cfg and "policy" in cfg:
-        return _section(cfg, "policy", ""), "policy."
+        return section(cfg, "policy", ""), "policy."
     return cfg, ""
-
-
-def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, Any]:
-    value = parent.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise Fp32LmHeadConfigError(f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})")
-    return value
 
 
 def _trainer_mode(section: Mapping[str, Any], name: str, prefix: str) -> str | None:
@@ -256,9 +247,9 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
     generation = policy.get("generation")
     vllm_cfg = generation.get("vllm_cfg") if isinstance(generation, Mapping) else None
     places = {**sections, "generation.vllm_cfg": vllm_cfg if isinstance(vllm_cfg, Mapping) else {}}
-    for place, section in places.items():
+    for place, keys in places.items():
         right = f"{prefix}{place}.{MEGATRON_KEY_NAME}"
-        for key in section:
+        for key in keys:
             if near_miss(key, MEGATRON_KEY_NAME):
                 raise Fp32LmHeadConfigError(
                     f"{prefix}{place}.{key} is not a key fp32patch or NeMo-RL reads: did you mean "
@@ -294,8 +285,8 @@ def _vllm_value(
     generation: Mapping[str, Any], prefix: str, environ: Mapping[str, str]
 ) -> tuple[str | None, str, tuple[str, ...]]:
     """The value vLLM's workers will see for the switch, where it comes from, and notes for the log."""
-    vllm_cfg = _section(generation, "vllm_cfg", f"{prefix}generation.")
-    env_vars = _section(vllm_cfg, "env_vars", f"{prefix}generation.vllm_cfg.")
+    vllm_cfg = section(generation, "vllm_cfg", f"{prefix}generation.")
+    env_vars = section(vllm_cfg, "env_vars", f"{prefix}generation.vllm_cfg.")
     key = f"{prefix}generation.vllm_cfg.fp32_lm_head"
     from_key = None
     if vllm_cfg.get("fp32_lm_head") is not None:

@@ -46,7 +46,7 @@ from fp32patch.runtime.modes import (
     VLLM_ON_VALUES,
     VLLM_VALUES_TEXT,
 )
-from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, plain, trainer_mode
+from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, plain, section, trainer_mode
 
 KEY = "actor_rollout_ref.model.fp32_lm_head"
 # trainer strategies whose actor and ref models the patch wires (the FSDP engine and legacy
@@ -92,13 +92,13 @@ def validate_fp32_lm_head_config(
     cfg = as_plain(config)
     if not isinstance(cfg, dict):
         raise Fp32LmHeadConfigError(f"expected verl's config as a mapping, got {type(config).__name__}")
-    arr = _section(cfg, "actor_rollout_ref", "")
-    model = _section(arr, "model", "actor_rollout_ref.")
-    rollout_cfg = _section(arr, "rollout", "actor_rollout_ref.")
+    arr = section(cfg, "actor_rollout_ref", "")
+    model = section(arr, "model", "actor_rollout_ref.")
+    rollout_cfg = section(arr, "rollout", "actor_rollout_ref.")
     mode = model_mode(model)
     rollout = rollout_cfg.get("name")
     env_value, env_source = _env_value(cfg, os.environ if environ is None else environ)
-    sglang_kwargs = _section(_section(rollout_cfg, "engine_kwargs", "actor_rollout_ref.rollout."), "sglang", "")
+    sglang_kwargs = section(section(rollout_cfg, "engine_kwargs", "actor_rollout_ref.rollout."), "sglang", "")
     sglang_asked = sglang_kwargs.get("enable_fp32_lm_head")
 
     if mode is None:
@@ -117,7 +117,7 @@ def validate_fp32_lm_head_config(
         return VerlSettings(mode=None, rollout=rollout)
 
     for role in ("actor", "ref"):
-        strategy = _section(arr, role, "actor_rollout_ref.").get("strategy")
+        strategy = section(arr, role, "actor_rollout_ref.").get("strategy")
         if strategy is not None and strategy not in WIRED_STRATEGIES:
             raise Fp32LmHeadConfigError(
                 f"{KEY} is {mode!r} but actor_rollout_ref.{role}.strategy is {strategy!r}: fp32patch wires "
@@ -184,15 +184,6 @@ def as_plain(config: Any) -> Any:
     return plain(config)
 
 
-def _section(parent: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, Any]:
-    value = parent.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise Fp32LmHeadConfigError(f"{prefix}{key} must be a mapping, not {type(value).__name__} ({value!r})")
-    return value
-
-
 def _env_value(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
     """``NRL_VLLM_FP32_LM_HEAD`` as verl's Ray workers will see it, and where it was set."""
     env_vars = cfg
@@ -212,7 +203,7 @@ def _env_value(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str 
 
 def _fused_backend(arr: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
     """The fused-kernel backend that computes the actor's log-probs (None: the head does)."""
-    actor = _section(arr, "actor", "actor_rollout_ref.")
+    actor = section(arr, "actor", "actor_rollout_ref.")
     if not (model.get("use_fused_kernels") or actor.get("use_fused_kernels")):
         return None
     if actor.get("strategy") == "megatron":
