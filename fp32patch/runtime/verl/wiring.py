@@ -28,11 +28,8 @@ ROLES = ("actor", "ref", "critic")
 def wire_hf(module: Any, model_config: Any, *, role: str) -> Any:
     """Give the actor's or the ref's HF ``module`` (FSDP1- or FSDP2-wrapped) fp32 logits when the
     key asks for them; a critic (a value head, not an LM head) is left as it is. Returns ``module``."""
-    mode = _mode(model_config, role)
+    mode = _lm_head_mode(model_config, role)
     if mode is None:
-        return module
-    if role == "critic":
-        logger.info("fp32patch: the critic keeps its value head (%s=%r applies to LM heads)", KEY, mode)
         return module
     from fp32patch.runtime.hf_lm_head import apply_fp32_lm_head
 
@@ -44,11 +41,8 @@ def wire_hf(module: Any, model_config: Any, *, role: str) -> Any:
 def wire_megatron(modules: Any, model_config: Any, *, role: str) -> Any:
     """Give the actor's or the ref's Megatron model chunks fp32 logits when the key asks for
     them; a critic is left as it is. Returns ``modules``."""
-    mode = _mode(model_config, role)
+    mode = _lm_head_mode(model_config, role)
     if mode is None:
-        return modules
-    if role == "critic":
-        logger.info("fp32patch: the critic keeps its value head (%s=%r applies to LM heads)", KEY, mode)
         return modules
     from fp32patch.runtime.megatron_lm_head import apply_fp32_lm_head
 
@@ -136,6 +130,16 @@ def sglang_args(args: dict[str, Any], model_config: Any, server_args_cls: Any, *
     args["enable_fp32_lm_head"] = True
     logger.info("fp32patch (%s): SGLang's enable_fp32_lm_head on (%s=%r)", where, KEY, mode)
     return args
+
+
+def _lm_head_mode(model_config: Any, role: str) -> str | None:
+    """The mode ``role``'s LM head gets: None when the key is off, and for the critic, whose value
+    head is no LM head (said in the log)."""
+    mode = _mode(model_config, role)
+    if mode is not None and role == "critic":
+        logger.info("fp32patch: the critic keeps its value head (%s=%r applies to LM heads)", KEY, mode)
+        return None
+    return mode
 
 
 def _mode(model_config: Any, where: str) -> str | None:
