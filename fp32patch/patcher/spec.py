@@ -128,6 +128,17 @@ class _Fields:
         raise AssertionError  # unreachable
 
 
+def _known_shape_patterns(source: str, f: _Fields, files: dict[str, str]) -> tuple[Pattern, ...]:
+    """The ``patterns`` of an ``obsolete_when`` or ``refuse_when`` table ``f``: at least one."""
+    pats = tuple(
+        _pattern(_Fields(source, f"{f.where}.patterns[{j}]", p, _PATTERN_FIELDS), files)
+        for j, p in enumerate(f.tables("patterns"))
+    )
+    if not pats:
+        f.fail("patterns", "needs at least one pattern")
+    return pats
+
+
 def _pattern(f: _Fields, files: dict[str, str]) -> Pattern:
     scope = f.string("scope", default="") or ""
     if scope:
@@ -319,25 +330,14 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
     for i, ot in enumerate(top.tables("obsolete_when")):
         of = _Fields(source, f"obsolete_when[{i}]", ot, ("name", "patterns"))
         name = of.string("name", required=True) or ""
-        pats = tuple(
-            _pattern(_Fields(source, f"obsolete_when[{i}].patterns[{j}]", p, _PATTERN_FIELDS), files)
-            for j, p in enumerate(of.tables("patterns"))
-        )
-        if not pats:
-            of.fail("patterns", "needs at least one pattern")
-        obsolete.append(ObsoleteWhen(name=name, patterns=pats))
+        obsolete.append(ObsoleteWhen(name=name, patterns=_known_shape_patterns(source, of, files)))
 
     refused = []
     for i, rt in enumerate(top.tables("refuse_when")):
         rf = _Fields(source, f"refuse_when[{i}]", rt, ("name", "patterns", "why"))
         name = rf.string("name", required=True) or ""
         why = rf.string("why", required=True) or ""
-        pats = tuple(
-            _pattern(_Fields(source, f"refuse_when[{i}].patterns[{j}]", p, _PATTERN_FIELDS), files)
-            for j, p in enumerate(rf.tables("patterns"))
-        )
-        if not pats:
-            rf.fail("patterns", "needs at least one pattern")
+        pats = _known_shape_patterns(source, rf, files)
         refused.append(RefuseWhen(name=name, patterns=pats, why=" ".join(why.split())))
 
     canonical = json.dumps({"spec": data, "code_files": resolved}, sort_keys=True, separators=(",", ":"), default=str)
