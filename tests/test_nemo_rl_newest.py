@@ -288,6 +288,31 @@ def test_without_fp32patchs_vllm_patches_upstreams_edit_is_made_as_before(monkey
     assert "_nrl_fp32_lm_head" in edited and edited == (theirs / NEMOTRON).read_text()
 
 
+@pytest.mark.network
+def test_the_first_heads_worker_start_leaves_a_file_fp32patch_manages_alone(monkeypatch, tmp_path):
+    """NeMo-RL's first head (2026-08-31 to the rework), where the NeMo-RL patch refuses and the
+    README says to apply the vLLM patches alone: its worker-start edit skips a nemotron_h.py that
+    names the variable, which fp32patch's gate does, so ``verify`` stays green after a run."""
+    from tests.fixtures import nemo_rl_first_head as first
+
+    vllm_root = _vllm_root(tmp_path / "vllm", patched=True)
+    before = (vllm_root / NEMOTRON).read_bytes()
+    assert before.count(first.COMPUTE.encode()) == 1  # the edit's anchor is still there: only the name protects
+    monkeypatch.syspath_prepend(str(vllm_root))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    assert first.vllm_file(first.MODEL_FILE) == str(vllm_root / NEMOTRON)
+    assert first.worker_start_edit(logging.getLogger("test")) == "skipped"
+    assert (vllm_root / NEMOTRON).read_bytes() == before
+    assert _status(vllm_root, "nemotron-h-fp32-lm-head") == (0, "applied")
+    assert _status(vllm_root, "vllm-fp32-logits") == (0, "applied")
+
+    stock = _vllm_root(tmp_path / "stock", patched=False)  # without fp32patch: upstream's edit, as before
+    monkeypatch.syspath_prepend(str(stock))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    assert first.worker_start_edit(logging.getLogger("test")) == "edited"
+    assert "_first_head_fp32" in (stock / NEMOTRON).read_text()
+
+
 # ---------------------------------------------------------------- vLLM's key in the older checkouts
 
 
