@@ -49,6 +49,7 @@ CONTEXT_ID = "nemo-rl-context-length-400"
 POLICY = "nemo_rl/models/policy/lm_policy.py"
 BACKEND = "nemo_rl/models/generation/vllm/vllm_backend.py"
 FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES, DTENSOR, DTENSOR_V2]
+UTILS = "nemo_rl/models/policy/utils.py"  # patched on checkouts after the September 2026 rework
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 
 ENGINE_V2 = (resources.files("fp32patch.patches") / f"{PATCH_ID}.toml").is_file()
@@ -1308,12 +1309,13 @@ def test_what_asks_for_fp32patch_in_the_dtensor_workers(monkeypatch, patched_roo
     reason="set FP32PATCH_NEMO_RL_CHECKOUT to a NeMo-RL checkout (nemo_rl/ and pyproject.toml) to try the spec on it",
 )
 def test_a_real_nemo_rl_checkout(tmp_path):
+    """FP32PATCH_NEMO_RL_VARIANT, where set, names the variant the checkout must get."""
     # a copy is patched, never the checkout itself
     real = Path(os.environ["FP32PATCH_NEMO_RL_CHECKOUT"])
     root = tmp_path / "nemo-rl"
     (root / "nemo_rl").mkdir(parents=True)
     (root / "pyproject.toml").write_bytes((real / "pyproject.toml").read_bytes())
-    for path in [*FILES, "nemo_rl/__init__.py"]:
+    for path in [*FILES, UTILS, "nemo_rl/__init__.py"]:
         if (real / path).is_file():
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_bytes((real / path).read_bytes())
@@ -1321,6 +1323,7 @@ def test_a_real_nemo_rl_checkout(tmp_path):
 
     code, out = _run("apply", root)
     assert (code, out["status"]) == (0, "applied"), out
+    assert out["variant"] == os.environ.get("FP32PATCH_NEMO_RL_VARIANT", out["variant"])
     # each DTensor worker the checkout has checks its config and wires its model (v1 is gone
     # after the September 2026 rework)
     for path, edits in (
@@ -1329,7 +1332,7 @@ def test_a_real_nemo_rl_checkout(tmp_path):
     ):
         if (real / path).is_file():
             assert _markers((root / path).read_text()) >= edits, path
-    for path in FILES:
+    for path in [*FILES, UTILS]:
         if (root / path).is_file():
             compile((root / path).read_bytes(), path, "exec", dont_inherit=True)
     code, verified = _run("verify", root)
@@ -1340,7 +1343,7 @@ def test_a_real_nemo_rl_checkout(tmp_path):
     python = os.environ.get("FP32PATCH_NEMO_RL_PYTHON")
     if python:
         _run("apply", root)
-        files = [str(root / p) for p in FILES if (root / p).is_file()]
+        files = [str(root / p) for p in [*FILES, UTILS] if (root / p).is_file()]
         check = subprocess.run([python, "-m", "py_compile", *files], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         _run("revert", root)
