@@ -286,6 +286,19 @@ def test_without_fp32patchs_vllm_patches_upstreams_edit_is_made_as_before(monkey
     assert stock._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("test")) is True
     edited = (ours / NEMOTRON).read_text()
     assert "_nrl_fp32_lm_head" in edited and edited == (theirs / NEMOTRON).read_text()
+    _assert_apply_refuses_nemo_rls_edit(theirs)
+
+
+def _assert_apply_refuses_nemo_rls_edit(root: Path) -> None:
+    """``fp32patch apply`` on a nemotron_h.py that a NeMo-RL worker start edited: refused by
+    name (neither stock nor vLLM's own fix), nothing written, whichever generation edited it."""
+    before = (root / NEMOTRON).read_bytes()
+    code, out = cli("apply", "-s", str(root), "--patch", "nemotron-h-fp32-lm-head")
+    (entry,) = out["patches"]
+    assert (code, entry["status"]) == (3, "unsupported-version"), out
+    assert "NeMo-RL's worker-start fp32 edit in NemotronH" in entry["message"]
+    assert "--force-reinstall" in entry["message"]
+    assert (root / NEMOTRON).read_bytes() == before
 
 
 @pytest.mark.network
@@ -310,7 +323,8 @@ def test_the_first_heads_worker_start_leaves_a_file_fp32patch_manages_alone(monk
     monkeypatch.syspath_prepend(str(stock))
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     assert first.worker_start_edit(logging.getLogger("test")) == "edited"
-    assert "_first_head_fp32" in (stock / NEMOTRON).read_text()
+    assert "_nrl_lm_head_fp32" in (stock / NEMOTRON).read_text()
+    _assert_apply_refuses_nemo_rls_edit(stock)
 
 
 # ---------------------------------------------------------------- vLLM's key in the older checkouts

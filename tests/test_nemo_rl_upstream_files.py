@@ -1,0 +1,232 @@
+"""Opt-in: fp32patch against NeMo-RL's own files from after 2026-08-22 (issue 22).
+
+The whole-repository snapshot of NeMo-RL that can be fetched ends on 2026-08-22; newer public
+files can only be read one by one. Copies of the ones that matter here, byte for byte, are
+kept outside this repository (never committed: they are NeMo-RL's code) in a folder named
+by ``FP32PATCH_NEMO_RL_UPSTREAM``, one subfolder per generation, each with the files under
+``files/`` at their paths in the repository and a ``manifest-*.jsonl`` saying which stored
+version each is:
+
+- ``nemo-rl-first-head/``: ``patches.py`` of upstream's first fp32 head (2026-08-31 until
+  its September rework), whose worker start edits vLLM's ``nemotron_h.py``;
+- ``nemo-rl-newest/``: the reworked files the NeMo-RL patch touches (``setup.py``,
+  ``lm_policy.py``, ``policy/utils.py``, the vLLM worker, backend, generation and patches
+  modules, the DTensor v2 worker, vLLM's config).
+
+The newest generation is laid over a 2026-08-22 checkout (``FP32PATCH_NEMO_RL_CHECKOUT``) for
+the files it lacks; DTensor v1 is removed, as upstream removed it. The vLLM files are
+0.25.1's from its wheel, the release upstream's worker-start edit is written against.
+
+What runs is upstream's own code where it can run alone: the worker-start edits of both
+generations (plain functions of ``patches.py`` over the vLLM that ``find_spec`` finds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.nemo_rl_harness import cli, load_module
+from tests.test_nemo_rl_fp32_patch import FILES, UTILS, _markers, _sources
+
+UPSTREAM = os.environ.get("FP32PATCH_NEMO_RL_UPSTREAM")
+pytestmark = [
+    pytest.mark.network,
+    pytest.mark.skipif(
+        not UPSTREAM,
+        reason="set FP32PATCH_NEMO_RL_UPSTREAM to a folder of NeMo-RL's files newer than 2026-08-22 (see the docstring)",
+    ),
+]
+
+VLLM = "0.25.1"
+VAR = "NRL_VLLM_FP32_LM_HEAD"
+NEMOTRON = "vllm/model_executor/models/nemotron_h.py"
+LOGITS = "vllm/model_executor/layers/logits_processor.py"
+PATCHES = "nemo_rl/models/generation/vllm/patches.py"
+VLLM_PATCHES = ("nemotron-h-fp32-lm-head", "vllm-fp32-logits")
+
+
+def _generation(name: str) -> Path:
+    folder = Path(UPSTREAM or "") / name / "files"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is not there")
+    return folder
+
+
+def _vllm_root(where: Path, *, patched: bool) -> Path:
+    """vLLM 0.25.1's two model files and its dist-info as an import root; ``patched``: after
+    ``fp32patch apply`` of both vLLM patches."""
+    from tests.support.pypi import import_root_from_members
+
+    root = import_root_from_members("vllm", VLLM, [NEMOTRON, LOGITS], where)
+    if patched:
+        code, out = cli("apply", "-s", str(root), *_each("--patch", VLLM_PATCHES))
+        assert code == 0, out
+    return root
+
+
+def _each(flag: str, values) -> list[str]:
+    return [part for value in values for part in (flag, value)]
+
+
+def _statuses(root: Path) -> tuple[int, dict[str, str]]:
+    code, out = cli("verify", "-s", str(root), *_each("--patch", VLLM_PATCHES))
+    return code, {p["id"]: p["status"] for p in out["patches"]}
+
+
+def _patches_module(monkeypatch, path: Path, vllm_root: Path):
+    """NeMo-RL's patches.py at ``path``, imported as a vLLM worker would, with ``vllm_root``'s
+    vLLM first on the path (its worker-start edits find vLLM through ``find_spec``)."""
+    monkeypatch.syspath_prepend(str(vllm_root))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    module = load_module(path)
+    assert module._get_vllm_file("model_executor/models/nemotron_h.py") == str(vllm_root / NEMOTRON)
+    return module
+
+
+@pytest.fixture
+def no_variable(monkeypatch):
+    monkeypatch.delenv(VAR, raising=False)
+
+
+# ---------------------------------------------------------------- the first head (2026-08-31 to the rework)
+
+
+def test_first_heads_worker_start_leaves_fp32patchs_vllm_file_alone(monkeypatch, tmp_path, no_variable, caplog):
+    """The README's route for this window: fp32patch's vLLM patches alone. Upstream's own
+    worker-start edit finds the variable named in the file and leaves it as apply wrote it."""
+    upstream = _generation("nemo-rl-first-head") / PATCHES
+    root = _vllm_root(tmp_path / "vllm", patched=True)
+    before = (root / NEMOTRON).read_bytes()
+    patches = _patches_module(monkeypatch, upstream, root)
+    caplog.set_level(logging.INFO)
+    patches._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("vllm_patch"))
+    assert (root / NEMOTRON).read_bytes() == before
+    assert _statuses(root) == (0, dict.fromkeys(VLLM_PATCHES, "applied"))
+    assert any("already present" in r.getMessage() for r in caplog.records)
+
+
+def test_first_heads_worker_start_edits_a_stock_vllm_as_before(monkeypatch, tmp_path, no_variable):
+    upstream = _generation("nemo-rl-first-head") / PATCHES
+    root = _vllm_root(tmp_path / "vllm", patched=False)
+    before = (root / NEMOTRON).read_text()
+    patches = _patches_module(monkeypatch, upstream, root)
+    patches._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("vllm_patch"))
+    after = (root / NEMOTRON).read_text()
+    assert after != before and VAR in after
+    _assert_apply_refuses(root)
+
+
+def _assert_apply_refuses(root: Path) -> None:
+    """fp32patch does not patch on top of NeMo-RL's worker-start edit, nor call it vLLM's fix."""
+    before = (root / NEMOTRON).read_bytes()
+    code, out = cli("apply", "-s", str(root), "--patch", "nemotron-h-fp32-lm-head")
+    (entry,) = out["patches"]
+    assert (code, entry["status"]) == (3, "unsupported-version"), out
+    assert "NeMo-RL's worker-start fp32 edit in NemotronH" in entry["message"]
+    assert (root / NEMOTRON).read_bytes() == before
+
+
+# ---------------------------------------------------------------- after the rework (September 2026 on)
+
+DTENSOR_V1 = "nemo_rl/models/policy/workers/dtensor_policy_worker.py"
+
+
+@pytest.fixture
+def newest_checkout(tmp_path) -> Path:
+    """The newest files over a 2026-08-22 checkout's (for the files no newer version of could be
+    read), DTensor v1 removed as upstream removed it; a copy of its own for each test."""
+    newest = _generation("nemo-rl-newest")
+    base = os.environ.get("FP32PATCH_NEMO_RL_CHECKOUT")
+    if not base:
+        pytest.skip("set FP32PATCH_NEMO_RL_CHECKOUT to a 2026-08-22 NeMo-RL checkout to lay the newest files over")
+    root = tmp_path / "nemo-rl"
+    for path in ["pyproject.toml", "nemo_rl/__init__.py", *FILES, UTILS]:
+        if (Path(base) / path).is_file():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(base) / path, root / path)
+    for path in newest.rglob("*.py"):
+        (root / path.relative_to(newest)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, root / path.relative_to(newest))
+    (root / DTENSOR_V1).unlink(missing_ok=True)
+    return root
+
+
+def _apply_nemo_rl(root: Path) -> dict:
+    code, out = cli("apply", "-s", str(root), "--patch", "nemo-rl-fp32-lm-head")
+    (entry,) = out["patches"]
+    assert (code, entry["status"]) == (0, "applied"), out
+    return entry
+
+
+def test_newest_files_get_the_reworked_variant_verify_and_revert_exactly(newest_checkout):
+    before = _sources(newest_checkout)
+    entry = _apply_nemo_rl(newest_checkout)
+    assert entry["variant"] == "logit-dtype-v2-only"
+    patched = {p: (newest_checkout / p).read_text() for p in [*FILES, UTILS] if (newest_checkout / p).is_file()}
+    for path, text in patched.items():
+        compile(text, path, "exec", dont_inherit=True)
+    # upstream's Megatron head is kept (no fp32patch head added), its DTensor refusal lifted,
+    # its worker-start edit kept out of a vLLM fp32patch manages
+    setup = patched["nemo_rl/models/megatron/setup.py"]
+    assert "logit_dtype" in setup and {"guard-worker", "residual"} <= _markers(setup)
+    assert not {"wire-policy", "wire-inference-model"} & _markers(setup)
+    assert "lift-dtensor-refusal" in _markers(patched[UTILS])
+    assert "keep-fp32patch-vllm" in _markers(patched[PATCHES])
+    code, out = cli("verify", "-s", str(newest_checkout), "--patch", "nemo-rl-fp32-lm-head")
+    assert code == 0 and out["patches"][0]["status"] == "applied"
+    code, _ = cli("revert", "-s", str(newest_checkout), "--patch", "nemo-rl-fp32-lm-head")
+    assert code == 0 and _sources(newest_checkout) == before
+
+
+def _newest_worker_start(monkeypatch, checkout: Path, vllm_root: Path):
+    return _patches_module(monkeypatch, checkout / PATCHES, vllm_root)
+
+
+def test_newest_worker_start_with_the_nemo_rl_patch_leaves_fp32patchs_vllm_file_alone(
+    monkeypatch, tmp_path, newest_checkout, no_variable, caplog
+):
+    _apply_nemo_rl(newest_checkout)
+    root = _vllm_root(tmp_path / "vllm", patched=True)
+    before = (root / NEMOTRON).read_bytes()
+    patches = _newest_worker_start(monkeypatch, newest_checkout, root)
+    caplog.set_level(logging.INFO)
+    assert patches._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("vllm_patch")) is True
+    assert (root / NEMOTRON).read_bytes() == before
+    assert _statuses(root) == (0, dict.fromkeys(VLLM_PATCHES, "applied"))
+    assert any("fp32patch's vLLM patches are installed" in r.getMessage() for r in caplog.records)
+
+
+def test_newest_worker_start_without_the_nemo_rl_patch_makes_fp32patchs_file_drift(
+    monkeypatch, tmp_path, newest_checkout, no_variable
+):
+    root = _vllm_root(tmp_path / "vllm", patched=True)
+    before = (root / NEMOTRON).read_text()
+    patches = _newest_worker_start(monkeypatch, newest_checkout, root)  # stock NeMo-RL
+    assert patches._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("vllm_patch")) is True
+    after = (root / NEMOTRON).read_text()
+    assert after != before and "_nrl_fp32_lm_head" in after and "# fp32patch: nemotron-h-fp32-lm-head" in after
+    code, statuses = _statuses(root)
+    assert (code, statuses["nemotron-h-fp32-lm-head"]) == (1, "drifted")
+    code, _ = cli("revert", "-s", str(root), "--patch", "nemotron-h-fp32-lm-head")
+    assert code != 0 and (root / NEMOTRON).read_text() == after
+
+
+def test_newest_worker_start_without_fp32patchs_vllm_patches_is_upstreams(
+    monkeypatch, tmp_path, newest_checkout, no_variable
+):
+    stock_root = _vllm_root(tmp_path / "stock-vllm", patched=False)
+    stock = _newest_worker_start(monkeypatch, newest_checkout, stock_root)
+    assert stock._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("vllm_patch")) is True
+    _apply_nemo_rl(newest_checkout)
+    ours_root = _vllm_root(tmp_path / "our-vllm", patched=False)
+    ours = _newest_worker_start(monkeypatch, newest_checkout, ours_root)
+    assert ours._patch_vllm_nemotron_h_fp32_lm_head(logging.getLogger("vllm_patch")) is True
+    edited = (stock_root / NEMOTRON).read_text()
+    assert "_nrl_fp32_lm_head" in edited and (ours_root / NEMOTRON).read_text() == edited
+    _assert_apply_refuses(stock_root)
