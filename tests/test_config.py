@@ -233,7 +233,7 @@ INVALID = [
         policy(True, vllm="true"), ["vllm_cfg.fp32_lm_head = 'true' is not valid", "without quotes"], id="vk-str"
     ),
     pytest.param(policy(True, vllm=1), ["vllm_cfg.fp32_lm_head = 1 is not valid"], id="vk-int"),
-    pytest.param(policy(True, vllm="tf32"), ["'tf32' is not valid", "valid values: false, true"], id="vk-tf32"),
+    pytest.param(policy(True, vllm="TF32"), ["'TF32' is not valid", 'valid values: false, true, "tf32"'], id="vk-TF32"),
     pytest.param(
         policy(True, vllm="copy"), ["'copy' is not valid; valid", "NRL_VLLM_FP32_LM_HEAD's to choose"], id="vk-way"
     ),
@@ -343,6 +343,22 @@ def test_the_older_vllm_spelling_works_and_names_the_new_key():
     (note,) = validate_fp32_lm_head_config(policy(False, "0"), environ={}).notes
     assert "generation.vllm_cfg.fp32_lm_head: false instead" in note and "choose that way" not in note
     assert validate_fp32_lm_head_config(policy("fp32out", vllm=True), environ={}).notes == ()
+
+
+@pytest.mark.parametrize("trainer", ["tf32", True, "fp32out"])
+def test_vllms_key_takes_upstreams_tf32_alias_of_true_and_says_what_vllm_runs(trainer):
+    # newest upstream NeMo-RL accepts "tf32" for vllm_cfg.fp32_lm_head as an alias of true
+    settings = validate_fp32_lm_head_config(policy(trainer, vllm="tf32"), environ={})
+    assert settings == Fp32LmHeadSettings(trainer if trainer is not True else "fp32", "1")
+    (note,) = settings.notes
+    assert 'vllm_cfg.fp32_lm_head = "tf32" is read as true' in note and "not a TF32 GEMM" in note
+    # held to the older spelling like true is
+    assert validate_fp32_lm_head_config(policy(trainer, "copy", vllm="tf32"), environ={}).vllm == "copy"
+    with pytest.raises(Fp32LmHeadConfigError, match="disagree"):
+        validate_fp32_lm_head_config(policy(trainer, "0", vllm="tf32"), environ={})
+    # and one-sided like true is
+    with pytest.raises(Fp32LmHeadConfigError, match="vLLM only"):
+        validate_fp32_lm_head_config(policy(False, vllm="tf32"), environ={})
 
 
 def test_the_driver_environment_is_not_read_where_vllms_key_decides():

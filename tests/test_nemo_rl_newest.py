@@ -337,10 +337,11 @@ def test_the_first_heads_worker_start_leaves_a_file_fp32patch_manages_alone(monk
     [
         ({"fp32_lm_head": True}, {}, "1"),
         ({"fp32_lm_head": True}, {VAR: "copy"}, "copy"),  # the older spelling may name the way
+        ({"fp32_lm_head": "tf32"}, {}, "1"),  # upstream's alias of true
         ({"fp32_lm_head": False}, {}, None),
         ({}, {}, None),
     ],
-    ids=["key-on", "key-on-variable-set", "key-off", "no-key"],
+    ids=["key-on", "key-on-variable-set", "key-tf32-alias", "key-off", "no-key"],
 )
 def test_older_checkouts_set_the_variable_in_each_vllm_worker_from_the_key(
     monkeypatch, tmp_path, shape, vllm_cfg, environ, expected

@@ -18,15 +18,22 @@ the files it lacks; DTensor v1 is removed, as upstream removed it. The vLLM file
 0.25.1's from its wheel, the release upstream's worker-start edit is written against.
 
 What runs is upstream's own code where it can run alone: the worker-start edits of both
-generations (plain functions of ``patches.py`` over the vLLM that ``find_spec`` finds).
+generations (plain functions of ``patches.py`` over the vLLM that ``find_spec`` finds), and the
+reworked config check (``policy/utils.py``'s ``validate_fp32_lm_head_config``, stock and as
+``fp32patch apply`` leaves it) with the switch parsing it calls (``utils/fp32_lm_head.py``,
+``vllm/config.py``): their definitions run without the module imports they do not use.
 """
 
 from __future__ import annotations
+import __future__
 
+import ast
 import logging
 import os
 import shutil
 import sys
+import typing
+import warnings
 from pathlib import Path
 
 import pytest
@@ -230,3 +237,137 @@ def test_newest_worker_start_without_fp32patchs_vllm_patches_is_upstreams(
     edited = (stock_root / NEMOTRON).read_text()
     assert "_nrl_fp32_lm_head" in edited and (ours_root / NEMOTRON).read_text() == edited
     _assert_apply_refuses(stock_root)
+
+
+# ---------------------------------------------------------------- the reworked config check, real
+
+
+def _definitions(path: Path, namespace: dict) -> dict:
+    """The top-level definitions of ``path`` run into ``namespace``, its imports left out (they
+    pull in Ray, ZMQ, CUDA IPC): each statement on its own, annotations unevaluated, and one
+    that needs what is left out (a pydantic model of an imported type) skipped."""
+    for statement in ast.parse(path.read_text()).body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            continue
+        code = compile(
+            ast.Module([statement], type_ignores=[]),
+            str(path),
+            "exec",
+            flags=__future__.annotations.compiler_flag,
+            dont_inherit=True,
+        )
+        try:
+            exec(code, namespace)
+        except NameError:
+            continue
+    return namespace
+
+
+def _upstream_check(root: Path):
+    """``validate_fp32_lm_head_config`` of the checkout at ``root`` with the switch parsing it
+    calls, all upstream's (and fp32patch's gate, where applied)."""
+    names = {
+        name: getattr(typing, name)
+        for name in ("Annotated", "Any", "Iterable", "Literal", "NotRequired", "Optional", "TypedDict", "cast")
+    }
+    switch = _definitions(root / "nemo_rl/utils/fp32_lm_head.py", {"__name__": "fp32_lm_head", **names})
+    config = _definitions(
+        root / "nemo_rl/models/generation/vllm/config.py", {"__name__": "vllm_config", **names, **switch}
+    )
+    utils = _definitions(
+        root / UTILS,
+        {
+            "__name__": "policy_utils",
+            "os": os,
+            "warnings": warnings,
+            "VllmSpecificArgs": dict,
+            **names,
+            **{k: v for k, v in switch.items() if k == "fp32_lm_head_enabled"},
+            **{k: config[k] for k in ("VLLM_NEMOTRON_H_FP32_LM_HEAD_ENV_VAR", "vllm_nemotron_h_fp32_lm_head_enabled")},
+        },
+    )
+    return utils["validate_fp32_lm_head_config"]
+
+
+class _Llama:
+    architectures = ["LlamaForCausalLM"]
+    model_type = "llama"
+
+
+def _yaml(trainer: str, mode, vllm, **vllm_cfg) -> tuple[dict, dict]:
+    """A policy section with the trainer's switch, vLLM's key, and the backends' flags."""
+    megatron = {"enabled": trainer == "megatron"}
+    cfg = {"megatron_cfg": megatron, "generation": {"backend": "vllm", "vllm_cfg": {"async_engine": False, **vllm_cfg}}}
+    if mode is not None:
+        (megatron if trainer == "megatron" else cfg.setdefault("dtensor_cfg", {"enabled": True}))["fp32_lm_head"] = mode
+    elif trainer == "dtensor":
+        cfg["dtensor_cfg"] = {"enabled": True}
+    if vllm is not None:
+        cfg["generation"]["vllm_cfg"]["fp32_lm_head"] = vllm
+    kw = {"megatron_enabled": trainer == "megatron", "dtensor_enabled": trainer == "dtensor", "model_config": _Llama()}
+    return cfg, kw
+
+
+def _outcome(check, cfg, kw) -> tuple[str, list[str]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            check(cfg, **kw)
+            outcome = "ok"
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is compared
+            outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, [str(w.message) for w in seen]
+
+
+NOT_NEMOTRON_H = "only patches vLLM's Nemotron-H"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "stock", "patched"),
+    [
+        # the DTensor YAML: upstream refuses it, fp32patch's guard passes it and its head is wired
+        (("dtensor", "fp32out", True), "only supported with the Megatron trainer", "ok"),
+        (("dtensor", True, True), "only supported with the Megatron trainer", "ok"),
+        # Megatron's YAML: upstream's own head; its warning for a model that is not NemotronH gives
+        # way to the probe (fp32patch's vLLM patches cover every model)
+        (("megatron", True, True), "ok+warning", "ok"),
+        (("megatron", "tf32", "tf32"), "ok+warning", "ok"),  # upstream's alias, on both keys
+        # one side alone: upstream does not see it on DTensor, fp32patch's guard does
+        (("dtensor", "fp32out", None), "ok", "Fp32LmHeadConfigError: fp32patch (driver)"),
+        (("megatron", True, None), "fp32 LM head must be enabled on both", "Fp32LmHeadConfigError: fp32patch (driver)"),
+        # fp32patch's mode names are not upstream's Megatron switch: upstream refuses them, patched too
+        (("megatron", "fp32out", True), 'must be true, false, or "tf32"', 'must be true, false, or "tf32"'),
+    ],
+    ids=[
+        "dtensor-fp32out",
+        "dtensor-true",
+        "megatron-true",
+        "megatron-tf32-alias",
+        "dtensor-alone",
+        "megatron-alone",
+        "megatron-fp32out",
+    ],
+)
+def test_upstreams_reworked_check_stock_and_patched(newest_checkout, tmp_path, monkeypatch, yaml, stock, patched):
+    monkeypatch.delenv(VAR, raising=False)
+    cfg, kw = _yaml(*yaml)
+    stock_check = _upstream_check(newest_checkout)
+    _apply_nemo_rl(newest_checkout)
+    patched_check = _upstream_check(newest_checkout)
+    for check, expected in ((stock_check, stock), (patched_check, patched)):
+        outcome, seen = _outcome(check, cfg, kw)
+        if expected.startswith("ok"):
+            assert outcome == "ok", (yaml, outcome)
+            assert any(NOT_NEMOTRON_H in w for w in seen) == expected.endswith("+warning"), (yaml, seen)
+        else:
+            assert expected in outcome, (yaml, outcome)
+
+
+def test_the_older_vllm_spelling_is_refused_by_upstream_on_the_reworked_shape(newest_checkout, monkeypatch):
+    """NRL_VLLM_FP32_LM_HEAD in env_vars: upstream reserves it since the rework; fp32patch's guard
+    (which names the key to use) does not overrule that refusal."""
+    monkeypatch.delenv(VAR, raising=False)
+    cfg, kw = _yaml("megatron", True, None, env_vars={VAR: "1"})
+    _apply_nemo_rl(newest_checkout)
+    outcome, _ = _outcome(_upstream_check(newest_checkout), cfg, kw)
+    assert "is reserved for NeMo-RL internal" in outcome and "vllm_cfg.fp32_lm_head instead" in outcome

@@ -130,11 +130,12 @@ def _fp32patch_probe_vllm(generation):
 
 def _fp32patch_vllm_switch(config):
     """NRL_VLLM_FP32_LM_HEAD=1 in this vLLM generation worker when generation.vllm_cfg.fp32_lm_head
-    is true and the variable is unset, before the engine starts (NeMo-RL sets it so itself since
-    its September 2026 rework); the guard has held the two spellings to each other."""
+    is true (or "tf32", upstream's alias of true) and the variable is unset, before the engine
+    starts (NeMo-RL sets it so itself since its September 2026 rework); the guard has held the
+    two spellings to each other."""
     import os
 
-    if _fp32patch_get(_fp32patch_get(config, "vllm_cfg"), "fp32_lm_head") is True:
+    if _fp32patch_get(_fp32patch_get(config, "vllm_cfg"), "fp32_lm_head") in (True, "tf32"):
         os.environ.setdefault("NRL_VLLM_FP32_LM_HEAD", "1")
 
 

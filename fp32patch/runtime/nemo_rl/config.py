@@ -4,9 +4,9 @@ The trainer's switch is the enabled backend's: ``megatron_cfg.fp32_lm_head`` (Me
 ``dtensor_cfg.fp32_lm_head`` (DTensor v1 and v2), each one of false, true, "fp32", "tf32",
 "fp32out", "fp32out-hilo", "fp32out-bf16grad" (missing or null: false; the string "false" and
 "TF32" are errors, never quietly off). vLLM's switch is ``generation.vllm_cfg.fp32_lm_head``
-(true/false; upstream NeMo-RL's key since 2026-08-31) or, the
-older spelling, ``NRL_VLLM_FP32_LM_HEAD`` in ``generation.vllm_cfg.env_vars`` ("1", "fp32out",
-"copy"; "0" or unset is off), else in the driver's environment. ``validate_fp32_lm_head_config``
+(true/false, or "tf32" as upstream NeMo-RL's alias of true; upstream's key since September
+2026) or, the older spelling, ``NRL_VLLM_FP32_LM_HEAD`` in ``generation.vllm_cfg.env_vars``
+("1", "fp32out", "copy"; "0" or unset is off), else in the driver's environment. ``validate_fp32_lm_head_config``
 raises ``Fp32LmHeadConfigError`` unless
 
 - the trainer's switch sits under the backend that trains: a switch under a disabled backend
@@ -275,10 +275,13 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
             )
 
 
-# generation.vllm_cfg.fp32_lm_head -> the NRL_VLLM_FP32_LM_HEAD value it stands for. A boolean
-# only, as upstream NeMo-RL types it (its worker sets "1" for any true value), so that one YAML
-# means the same on every checkout; the way ("copy") is chosen by the variable, where it may be.
+# generation.vllm_cfg.fp32_lm_head -> the NRL_VLLM_FP32_LM_HEAD value it stands for. A boolean,
+# as upstream NeMo-RL types it (its worker sets "1" for any true value), so that one YAML means
+# the same on every checkout; the way ("copy") is chosen by the variable, where it may be.
+# Upstream NeMo-RL (late 2026) also takes "tf32" there as an alias of true, for configs written
+# for its first head; so does fp32patch, saying what vLLM runs then.
 _VLLM_KEY_VALUES: dict[bool, str] = {True: "1", False: "0"}
+_VLLM_KEY_TF32_ALIAS = "tf32"
 
 
 def _vllm_value(
@@ -289,14 +292,21 @@ def _vllm_value(
     env_vars = section(vllm_cfg, "env_vars", f"{prefix}generation.vllm_cfg.")
     key = f"{prefix}generation.vllm_cfg.fp32_lm_head"
     from_key = None
+    key_notes: tuple[str, ...] = ()
     if vllm_cfg.get("fp32_lm_head") is not None:
         raw = vllm_cfg["fp32_lm_head"]
         if isinstance(raw, bool):
             from_key = _VLLM_KEY_VALUES[raw]
+        elif raw == _VLLM_KEY_TF32_ALIAS:
+            from_key = _VLLM_KEY_VALUES[True]
+            key_notes = (
+                f'{key} = "{_VLLM_KEY_TF32_ALIAS}" is read as true (upstream NeMo-RL\'s alias): vLLM gets '
+                f"{VLLM_ENV_VAR}=1, fp32 logits from fp32patch's default way, not a TF32 GEMM; write true",
+            )
         else:
             raise Fp32LmHeadConfigError(
-                f'{key} = {raw!r} is not valid{quoted_boolean(raw)}; valid values: false, true (the way, e.g. "copy", is '
-                f"{VLLM_ENV_VAR}'s to choose)"
+                f'{key} = {raw!r} is not valid{quoted_boolean(raw)}; valid values: false, true, "{_VLLM_KEY_TF32_ALIAS}" '
+                f'(an alias of true; the way, e.g. "copy", is {VLLM_ENV_VAR}\'s to choose)'
             )
     if VLLM_ENV_VAR in env_vars:
         raw = env_vars[VLLM_ENV_VAR]
@@ -306,7 +316,7 @@ def _vllm_value(
         raw = value = environ[VLLM_ENV_VAR]
         source = f"the environment variable {VLLM_ENV_VAR}"
     else:
-        return from_key, key, ()
+        return from_key, key, key_notes
     if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
         hint = ""
         if isinstance(raw, bool) or raw is None:
@@ -330,7 +340,7 @@ def _vllm_value(
             f"{VLLM_ENV_VAR} from env_vars"
         )
     # both on: the variable may name the way ("copy") where the key says only true
-    return (value if from_key == "1" else from_key), key, ()
+    return (value if from_key == "1" else from_key), key, key_notes
 
 
 def _quoted(values: tuple[str, ...]) -> str:
