@@ -266,10 +266,9 @@ def _definitions(path: Path, namespace: dict) -> dict:
 def _upstream_check(root: Path):
     """``validate_fp32_lm_head_config`` of the checkout at ``root`` with the switch parsing it
     calls, all upstream's (and fp32patch's gate, where applied)."""
-    names = {
-        name: getattr(typing, name)
-        for name in ("Annotated", "Any", "Iterable", "Literal", "NotRequired", "Optional", "TypedDict", "cast")
-    }
+    # the typing names they use (NotRequired is 3.11+; a definition that needs a missing one is skipped)
+    wanted = ("Annotated", "Any", "Iterable", "Literal", "NotRequired", "Optional", "TypedDict", "cast")
+    names = {name: getattr(typing, name) for name in wanted if hasattr(typing, name)}
     switch = _definitions(root / "nemo_rl/utils/fp32_lm_head.py", {"__name__": "fp32_lm_head", **names})
     config = _definitions(
         root / "nemo_rl/models/generation/vllm/config.py", {"__name__": "vllm_config", **names, **switch}
