@@ -195,13 +195,40 @@ def test_upstream_alone_refuses_the_dtensor_yaml_and_our_modes_on_megatron(monke
     stock = _load(monkeypatch, checkout(NEWEST.name, tmp_path / "stock"), POLICY)
     with pytest.raises(ValueError, match="DTensor has no fp32 LM head"):
         stock.Policy(Cluster(), _dtensor_yaml(), tokenizer=None)
-    # with the patch it is fp32patch's guard that decides, and DTensor is wired (test above);
-    # Megatron's switch stays upstream's boolean there: a mode name is upstream's refusal
-    patched = _load(monkeypatch, reworked[NEWEST.name], POLICY)
+    # with the patch it is fp32patch's guard that decides, and DTensor is wired (test above)
+    stock_megatron = _load(monkeypatch, checkout(NEWEST.name, tmp_path / "stock-2"), POLICY)
     cfg = _megatron_yaml()
     cfg["megatron_cfg"]["fp32_lm_head"] = "fp32out"
-    with pytest.raises(ValueError, match="must be true or false"):
+    with pytest.raises(ValueError, match="must be true or false"):  # upstream alone
+        stock_megatron.Policy(Cluster(), cfg, tokenizer=None)
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", NEWEST_SHAPES, ids=lambda s: s.name)
+def test_our_modes_on_upstreams_megatron_head_are_refused_saying_why(monkeypatch, reworked, shape):
+    """Megatron's switch stays upstream's there: fp32patch's guard, in the driver and in each
+    Megatron worker, refuses a mode name before upstream's truthiness test takes it for true."""
+    from fp32patch.runtime.errors import Fp32LmHeadConfigError
+
+    monkeypatch.delenv(VAR, raising=False)
+    cfg = _megatron_yaml()
+    cfg["megatron_cfg"]["fp32_lm_head"] = "fp32out"
+    patched = _load(monkeypatch, reworked[shape.name], POLICY)
+    with pytest.raises(
+        Fp32LmHeadConfigError, match=r"fp32patch \(driver\): .*'fp32out' is one of fp32patch's modes"
+    ) as raised:
         patched.Policy(Cluster(), cfg, tokenizer=None)
+    assert "logit_dtype" in str(raised.value) and "write true" in str(raised.value)
+    megatron_doubles(monkeypatch, LogitDtypeProvider())
+    setup = _load(monkeypatch, reworked[shape.name], SETUP)
+    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(megatron worker rank 3\)"):
+        setup.validate_and_set_config(cfg, 3, "tiny", None, None, None)
+    # upstream's value passes both (its later "tf32" alias: tests/test_nemo_rl_upstream_files.py,
+    # on upstream's own check; this fixture has the earlier, boolean-only one)
+    cfg["megatron_cfg"]["fp32_lm_head"] = True
+    patched.Policy(Cluster(), cfg, tokenizer=None)
+    model_cfg, _ = setup.validate_and_set_config(cfg, 3, "tiny", None, None, None)
+    assert model_cfg.logit_dtype == torch.float32
 
 
 @needs_runtime

@@ -205,6 +205,24 @@ def test_the_environment_counts_where_env_vars_is_silent(monkeypatch):
     assert check_config(cfg, where="driver") == Fp32LmHeadSettings("fp32out", "1")
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_where_upstream_owns_megatrons_head_only_its_values_pass(shape):
+    """NeMo-RL after its September 2026 rework: Megatron's head is its own (logit_dtype)."""
+    for value, expected in ((True, "fp32"), ("tf32", "tf32"), (False, None)):
+        cfg = SHAPES[shape](master({"fp32_lm_head": value}, {VAR: "1" if value else "0"}))
+        assert check_config(cfg, where="driver", environ={}, megatron_head="upstream").megatron == expected
+    for mode in ("fp32out", "fp32out-hilo", "fp32out-bf16grad", "fp32"):
+        cfg = SHAPES[shape](master({"fp32_lm_head": mode}, {VAR: "1"}))
+        assert check_config(cfg, where="driver", environ={}).megatron == mode  # fp32patch's own head: fine
+        with pytest.raises(Fp32LmHeadConfigError, match=rf"fp32patch \(megatron worker rank 2\): .*{mode!r} is one of"):
+            check_config(cfg, where="megatron worker rank 2", environ={}, megatron_head="upstream")
+
+
+def test_megatron_head_names_a_known_owner():
+    with pytest.raises(ValueError, match="megatron_head must be one of"):
+        check_config(master(), where="driver", environ={}, megatron_head="bridge")
+
+
 def test_a_config_that_is_not_a_mapping_is_refused():
     with pytest.raises(Fp32LmHeadConfigError, match="expected NeMo-RL's master config"):
         check_config(["policy"], where="driver")

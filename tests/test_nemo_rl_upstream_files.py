@@ -334,8 +334,9 @@ NOT_NEMOTRON_H = "only patches vLLM's Nemotron-H"
         # one side alone: upstream does not see it on DTensor, fp32patch's guard does
         (("dtensor", "fp32out", None), "ok", "Fp32LmHeadConfigError: fp32patch (driver)"),
         (("megatron", True, None), "fp32 LM head must be enabled on both", "Fp32LmHeadConfigError: fp32patch (driver)"),
-        # fp32patch's mode names are not upstream's Megatron switch: upstream refuses them, patched too
-        (("megatron", "fp32out", True), 'must be true, false, or "tf32"', 'must be true, false, or "tf32"'),
+        # fp32patch's mode names are not upstream's Megatron switch: upstream refuses them; patched,
+        # fp32patch's guard refuses them first, saying why
+        (("megatron", "fp32out", True), 'must be true, false, or "tf32"', "'fp32out' is one of fp32patch's modes"),
     ],
     ids=[
         "dtensor-fp32out",

@@ -350,19 +350,33 @@ def _quoted(values: tuple[str, ...]) -> str:
 # ---------------------------------------------------------------- what NeMo-RL's patched files call
 
 
-def check_config(cfg: Any, *, where: str, environ: Mapping[str, str] | None = None) -> Fp32LmHeadSettings:
+# Whose head Megatron gets: fp32patch's (every mode), or upstream NeMo-RL's own after its
+# September 2026 rework (the provider's logit_dtype), which fp32patch keeps rather than stack a
+# second head on, and which takes upstream's values only.
+MEGATRON_HEADS = ("fp32patch", "upstream")
+
+
+def check_config(
+    cfg: Any, *, where: str, environ: Mapping[str, str] | None = None, megatron_head: str = "fp32patch"
+) -> Fp32LmHeadSettings:
     """Refuse a NeMo-RL config that would give fp32 logits to one engine only, or a bad value.
 
     ``cfg`` is the master config or its ``policy`` section: a dict, any Mapping, or a pydantic
     model. ``where`` names the caller in messages ("driver", "megatron worker rank 3").
-    ``environ`` stands for this process's environment (default ``os.environ``). Returns what
-    the config asks for; raises ``Fp32LmHeadConfigError``.
+    ``environ`` stands for this process's environment (default ``os.environ``).
+    ``megatron_head``: "upstream" where the checkout gives Megatron upstream's own fp32 head (then
+    fp32patch's mode names on Megatron are refused, saying why). Returns what the config asks
+    for; raises ``Fp32LmHeadConfigError``.
     """
+    if megatron_head not in MEGATRON_HEADS:
+        raise ValueError(f"megatron_head must be one of {MEGATRON_HEADS}, not {megatron_head!r}")
     try:
         policy = _policy_of(cfg)
         # Validated as part of a master config, so every message names the full YAML path.
         settings = validate_fp32_lm_head_config({"policy": policy}, environ=environ)
         _check_residual(policy)
+        if megatron_head == "upstream":
+            _check_upstream_megatron_head(policy, settings)
     except Fp32LmHeadConfigError as exc:
         raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
     for note in settings.notes:
@@ -394,6 +408,23 @@ def _policy_of(cfg: Any) -> dict[str, Any]:
             raise Fp32LmHeadConfigError(f"policy must be a mapping, not {type(policy).__name__} ({policy!r})")
         return policy
     return whole
+
+
+def _check_upstream_megatron_head(policy: Mapping[str, Any], settings: Fp32LmHeadSettings) -> None:
+    """Megatron's switch where upstream's own head serves it: true, false or "tf32" only."""
+    if settings.megatron is None:
+        return
+    value = policy["megatron_cfg"]["fp32_lm_head"]
+    if value is None or isinstance(value, bool) or value == "tf32":
+        return
+    raise Fp32LmHeadConfigError(
+        f"{MEGATRON_KEY} = {value!r} is one of fp32patch's modes, but on this NeMo-RL (after its "
+        "September 2026 rework) Megatron's fp32 head is NeMo-RL's own (the model provider's "
+        "logit_dtype: Megatron's fp32-output GEMM), switched by true or false (\"tf32\" is NeMo-RL's "
+        "alias of true). fp32patch keeps that head rather than stack a second one on it, so its "
+        "modes do not apply to Megatron here: write true (its backward, with bf16 grad_output, costs "
+        "what fp32out-bf16grad costs). DTensor takes every mode"
+    )
 
 
 def _check_residual(policy: Mapping[str, Any]) -> None:
