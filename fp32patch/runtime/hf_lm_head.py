@@ -112,7 +112,7 @@ def apply_fp32_lm_head(model: Any, mode: Any) -> Any:
     resolved = megatron_mode(mode)
     if resolved is None:
         return model
-    head, where, path = _find_head(model)
+    head, where = _find_head(model)
     current = _mode_of(head)
     if current is not None:
         if current != resolved:
@@ -121,7 +121,7 @@ def apply_fp32_lm_head(model: Any, mode: Any) -> Any:
                 f"switch it to {resolved!r} (two callers disagree on the mode)"
             )
         return model
-    _check_convertible(head, where, path)
+    _check_convertible(head, where)
     head.forward = MethodType(Fp32HeadForward(resolved), head)
     return model
 
@@ -133,7 +133,7 @@ def fp32_lm_head_mode(module: Any) -> str | None:
     if mode is not None:
         return mode
     try:
-        head, _, _ = _find_head(module)
+        head, _ = _find_head(module)
     except NoLmHeadError:
         return None
     return _mode_of(head)
@@ -247,15 +247,15 @@ def _mode_of(module: Any) -> str | None:
     return None
 
 
-def _find_head(model: Any) -> tuple[Any, str, list[Any]]:
-    """The LM head of ``model``, how it was reached, and the modules on the way."""
+def _find_head(model: Any) -> tuple[Any, str]:
+    """The LM head of ``model`` and how it was reached."""
     node, where, path = model, type(model).__name__, [model]
     while True:
         get = getattr(node, "get_output_embeddings", None)
         head = get() if callable(get) else None
         if head is not None:
             name = next((n for n, child in _children(node) if child is head), "get_output_embeddings()")
-            return head, f"{where}.{name}", path
+            return head, f"{where}.{name}"
         inner = getattr(node, "language_model", None)
         if inner is None or any(inner is seen for seen in path):
             break
@@ -273,7 +273,7 @@ def _children(module: Any) -> list[tuple[str, Any]]:
     return list(named()) if callable(named) else []
 
 
-def _check_convertible(head: Any, where: str, path: list[Any]) -> None:
+def _check_convertible(head: Any, where: str) -> None:
     import torch
 
     adapters = _adapter_names(head)
@@ -317,16 +317,6 @@ def _plain_class(cls: type) -> type:
         (base,) = [b for b in cls.__bases__ if b is not FSDPModule]
         return base
     return cls
-
-
-def _is_fsdp(module: Any) -> bool:
-    """Whether FSDP manages ``module``'s parameters: FSDP2 (``fully_shard``) or FSDP1's wrapper
-    (verl's default strategy), both of which hand the forward its mixed-precision dtype."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
 
 
 def _fp32_weight(dtype: Any, where: str) -> str:
