@@ -57,10 +57,11 @@ def _fp32patch_runtime(where):
     return runtime
 
 
-def _fp32patch_check_config(policy_cfg, where):
-    """Refuse a config that gives fp32 logits to one engine only (fp32patch's guard), where it asks."""
+def _fp32patch_check_config(policy_cfg, where, megatron_head="fp32patch"):
+    """Refuse a config that gives fp32 logits to one engine only (fp32patch's guard), where it asks.
+    ``megatron_head``: "upstream" where NeMo-RL gives Megatron its own fp32 head (its rework)."""
     if _fp32patch_asked(policy_cfg):
-        _fp32patch_runtime(where).check_config(policy_cfg, where=where)
+        _fp32patch_runtime(where).check_config(policy_cfg, where=where, megatron_head=megatron_head)
 
 
 def _fp32patch_wire_megatron(model, policy_cfg):
