@@ -40,6 +40,7 @@ import pytest
 
 from tests.nemo_rl_harness import cli, load_module
 from tests.test_nemo_rl_fp32_patch import FILES, UTILS, _markers, _sources
+from tests.test_nemo_rl_newest import NEMOTRON, _vllm_root  # vLLM 0.25.1's files, as an import root
 
 UPSTREAM = os.environ.get("FP32PATCH_NEMO_RL_UPSTREAM")
 pytestmark = [
@@ -50,10 +51,7 @@ pytestmark = [
     ),
 ]
 
-VLLM = "0.25.1"
 VAR = "NRL_VLLM_FP32_LM_HEAD"
-NEMOTRON = "vllm/model_executor/models/nemotron_h.py"
-LOGITS = "vllm/model_executor/layers/logits_processor.py"
 PATCHES = "nemo_rl/models/generation/vllm/patches.py"
 VLLM_PATCHES = ("nemotron-h-fp32-lm-head", "vllm-fp32-logits")
 
@@ -65,24 +63,9 @@ def _generation(name: str) -> Path:
     return folder
 
 
-def _vllm_root(where: Path, *, patched: bool) -> Path:
-    """vLLM 0.25.1's two model files and its dist-info as an import root; ``patched``: after
-    ``fp32patch apply`` of both vLLM patches."""
-    from tests.support.pypi import import_root_from_members
-
-    root = import_root_from_members("vllm", VLLM, [NEMOTRON, LOGITS], where)
-    if patched:
-        code, out = cli("apply", "-s", str(root), *_each("--patch", VLLM_PATCHES))
-        assert code == 0, out
-    return root
-
-
-def _each(flag: str, values) -> list[str]:
-    return [part for value in values for part in (flag, value)]
-
-
 def _statuses(root: Path) -> tuple[int, dict[str, str]]:
-    code, out = cli("verify", "-s", str(root), *_each("--patch", VLLM_PATCHES))
+    """``fp32patch verify`` of both vLLM patches at once: its exit code and each one's status."""
+    code, out = cli("verify", "-s", str(root), "--patch", VLLM_PATCHES[0], "--patch", VLLM_PATCHES[1])
     return code, {p["id"]: p["status"] for p in out["patches"]}
 
 
