@@ -23,11 +23,11 @@ it imports neither torch, vLLM nor Megatron.
 from __future__ import annotations
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.nemo_rl.config import Fp32LmHeadSettings, check_config, validate_fp32_lm_head_config
 from fp32patch.runtime.nemo_rl.probe import PROBE_RPC, check_probe_reports
 from fp32patch.runtime.nemo_rl.wiring import wire_dtensor, wire_megatron
-from fp32patch.runtime.vllm_probe import probe_vllm_model
 
 __all__ = [
     "PROBE_RPC",

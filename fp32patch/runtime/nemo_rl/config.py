@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean, section, trainer_mode
 from fp32patch.runtime.modes import (
     MEGATRON_MODES,
     VLLM_ENV_VAR,
@@ -53,7 +54,6 @@ from fp32patch.runtime.modes import (
     VLLM_ON_VALUES,
     VLLM_VALUES_TEXT,
 )
-from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean, section, trainer_mode
 
 # The switches as NeMo-RL's messages name them.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"

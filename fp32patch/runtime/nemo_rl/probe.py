@@ -3,7 +3,7 @@
 ``check_probe_reports(reports, settings, where=...)`` refuses to go on when a vLLM worker's
 logits disagree with the trainer's fp32 LM-head setting, naming the worker and the reason,
 and logs one INFO line when all agree. The reports come from
-``fp32patch.runtime.vllm_probe.probe_vllm_model``, run in each worker through NeMo-RL's
+``fp32patch.runtime.heads.vllm_probe.probe_vllm_model``, run in each worker through NeMo-RL's
 collective_rpc under the name ``PROBE_RPC``.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.heads.vllm_probe import disagreeing_reports
 from fp32patch.runtime.modes import VLLM_ENV_VAR, megatron_mode
 from fp32patch.runtime.nemo_rl.config import (
     DTENSOR_KEY,
@@ -22,7 +23,6 @@ from fp32patch.runtime.nemo_rl.config import (
     Fp32LmHeadSettings,
     checked_settings,
 )
-from fp32patch.runtime.vllm_probe import disagreeing_reports
 
 # The method NeMo-RL's patched vLLM worker extension gets; the driver calls it by this name
 # through NeMo-RL's collective_rpc.

@@ -11,9 +11,9 @@ import logging
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit.config import plain
 from fp32patch.runtime.modes import megatron_mode
 from fp32patch.runtime.nemo_rl.config import DTENSOR_KEY, MEGATRON_KEY
-from fp32patch.runtime.switches import plain
 
 logger = logging.getLogger("nemo_rl.fp32patch")
 
@@ -30,7 +30,7 @@ def wire_megatron(model: Any, megatron_cfg: Any) -> Any:
     mode = _mode(megatron_cfg, "megatron_cfg", MEGATRON_KEY, "wire_megatron")
     if mode is None:
         return model
-    from fp32patch.runtime.megatron_lm_head import apply_fp32_lm_head
+    from fp32patch.runtime.heads.megatron import apply_fp32_lm_head
 
     layers = apply_fp32_lm_head(model, mode)
     chunks = len(model) if isinstance(model, (list, tuple)) else 1
@@ -69,7 +69,7 @@ def wire_dtensor(model: Any, dtensor_cfg: Any, *, reward_model: bool = False) ->
             mode,
         )
         return model
-    from fp32patch.runtime.hf_lm_head import apply_fp32_lm_head
+    from fp32patch.runtime.heads.hf import apply_fp32_lm_head
 
     apply_fp32_lm_head(model, mode)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -21,11 +21,11 @@ Importing this module imports neither torch, vLLM nor verl.
 from __future__ import annotations
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, VerlSettings, check_config, validate_fp32_lm_head_config
 from fp32patch.runtime.verl.probe import PROBE_RPC, check_reports, probe_model, probe_server
 from fp32patch.runtime.verl.wiring import set_vllm_env, sglang_args, wire_hf, wire_megatron
-from fp32patch.runtime.vllm_probe import probe_vllm_model
 
 __all__ = [
     "KEY",

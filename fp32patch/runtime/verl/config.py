@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, plain, section, trainer_mode
 from fp32patch.runtime.modes import (
     VLLM_ENV_VAR,
     VLLM_OFF_VALUES,
     VLLM_ON_VALUES,
     VLLM_VALUES_TEXT,
 )
-from fp32patch.runtime.switches import ONE_SIDED_EVIDENCE, plain, section, trainer_mode
 
 KEY = "actor_rollout_ref.model.fp32_lm_head"
 # trainer strategies whose actor and ref models the patch wires (the FSDP engine and legacy

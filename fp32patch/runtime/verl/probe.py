@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadMismatchError
+from fp32patch.runtime.heads.vllm_probe import disagreeing_reports
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, model_mode
-from fp32patch.runtime.vllm_probe import disagreeing_reports
 
 PROBE_RPC = "fp32patch_probe_lm_head"
 
@@ -36,7 +36,7 @@ async def probe_server(engine_client: Any, model_config: Any, *, where: str) -> 
 def probe_model(model: Any, model_config: Any, *, where: str) -> dict[str, Any]:
     """Probe a vLLM model loaded in this process (verl 0.6.1 and 0.7.0 run vLLM's worker inside
     the trainer's); check its report."""
-    from fp32patch.runtime.vllm_probe import probe_vllm_model
+    from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
 
     report = probe_vllm_model(model)
     check_reports([report], model_config, where=where)

@@ -31,7 +31,7 @@ def wire_hf(module: Any, model_config: Any, *, role: str) -> Any:
     mode = _lm_head_mode(model_config, role)
     if mode is None:
         return module
-    from fp32patch.runtime.hf_lm_head import apply_fp32_lm_head
+    from fp32patch.runtime.heads.hf import apply_fp32_lm_head
 
     apply_fp32_lm_head(module, mode)
     logger.info("fp32patch: the %s's LM head gives fp32 logits (mode %r): %s", role, mode, type(module).__name__)
@@ -44,7 +44,7 @@ def wire_megatron(modules: Any, model_config: Any, *, role: str) -> Any:
     mode = _lm_head_mode(model_config, role)
     if mode is None:
         return modules
-    from fp32patch.runtime.megatron_lm_head import apply_fp32_lm_head
+    from fp32patch.runtime.heads.megatron import apply_fp32_lm_head
 
     layers = apply_fp32_lm_head(modules, mode)
     chunks = len(modules) if isinstance(modules, (list, tuple)) else 1

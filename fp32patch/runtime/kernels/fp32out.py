@@ -109,7 +109,7 @@ def _triton_kernels(a: torch.Tensor) -> Any:
     """
     if a.device.type != "cuda" or os.environ.get(TRITON_ENV_VAR, "1") == "0":
         return None
-    from fp32patch.runtime import fp16_scale_triton
+    from fp32patch.runtime.kernels import fp16_scale_triton
 
     return fp16_scale_triton if fp16_scale_triton.load() else None
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime import fp32out
-from fp32patch.runtime.matmul_precision import cuda_tf32
+from fp32patch.runtime.kernels import fp32out
+from fp32patch.runtime.kernels.matmul_precision import cuda_tf32
 from fp32patch.runtime.modes import MEGATRON_MODES
 
 if TYPE_CHECKING:

@@ -45,7 +45,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime import fp32out, modes
+from fp32patch.runtime import modes
+from fp32patch.runtime.kernels import fp32out
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime.lm_head_gemm import lm_head_linear
+from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import megatron_mode
 
 if TYPE_CHECKING:

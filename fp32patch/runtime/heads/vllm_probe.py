@@ -47,7 +47,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     """
     import torch
 
-    from fp32patch.runtime import vllm_lm_head
+    from fp32patch.runtime.heads import vllm as vllm_lm_head
 
     owner = vllm_lm_head.resolve_heads(model)[0]
     head = owner.lm_head
@@ -135,7 +135,7 @@ def _logits_dtype(model: Any, owner: Any, row: Any) -> tuple[str, bool]:
     rank received the gathered logits (False: measured on its own shard)."""
     import torch
 
-    from fp32patch.runtime import vllm_lm_head
+    from fp32patch.runtime.heads import vllm as vllm_lm_head
 
     target = model if callable(getattr(model, "compute_logits", None)) else vllm_lm_head._unwrap(model)
     compute = target.compute_logits
@@ -183,7 +183,7 @@ def _extra_required_args(function: Any) -> int:
 
 
 def _way(model: Any, env: str | None, dtype: str, patched: bool, file: str | None) -> tuple[str, str]:
-    from fp32patch.runtime import vllm_lm_head
+    from fp32patch.runtime.heads import vllm as vllm_lm_head
 
     try:
         requested = vllm_lm_head.requested_way()
