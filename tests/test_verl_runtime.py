@@ -611,6 +611,7 @@ def report(dtype="float32", way="fp32out", env="1", patched=True, reason="fp32 l
 
 
 ON, OFF = {"fp32_lm_head": "fp32out"}, {"fp32_lm_head": False}
+ASKED = f"{KEY}='fp32out'"  # what asked for the rollout's logits, as the kit's verdicts name it
 
 
 def test_every_worker_fp32_agrees_and_one_line_says_so(log_lines):
@@ -632,20 +633,24 @@ def test_every_worker_stock_agrees_with_the_key_off(log_lines):
 @pytest.mark.parametrize(
     ("model", "bad", "reason"),
     [
-        (ON, report("bfloat16", "off", None), f"computes bfloat16 logits: {VAR} is None in that process"),
-        (ON, report("bfloat16", "off", "0"), f"computes bfloat16 logits: {VAR} is '0' in that process"),
+        (ON, report("bfloat16", "off", None), f"computes bfloat16 logits while {ASKED}: {VAR} is unset in that process"),
+        (ON, report("bfloat16", "off", "0"), f"computes bfloat16 logits while {ASKED}: {VAR} is '0' in that process"),
         (
             ON,
             report("bfloat16", "stock", "1", patched=False, reason="no fp32patch route"),
-            "computes bfloat16 logits: vLLM's files are not patched (run fp32patch apply in that environment)",
+            f"computes bfloat16 logits while {ASKED}: the model file is not patched (run fp32patch apply in that venv)",
         ),
         (
             ON,
             report("bfloat16", "stock", "1", reason="the head is quantized"),
-            "computes bfloat16 logits: the way is stock: the head is quantized",
+            f"computes bfloat16 logits while {ASKED}: the way is stock: the head is quantized",
         ),
-        (ON, report(None, "stock", "1", reason="compute_logits raised"), "computes no logits: compute_logits raised"),
-        (OFF, report(), f"computes float32 logits ({VAR}='1', way fp32out) while {KEY} is off"),
+        (
+            ON,
+            report(None, "stock", "1", reason="compute_logits raised"),
+            f"computes no logits while {ASKED}: compute_logits raised",
+        ),
+        (OFF, report(), f"computes float32 logits while {KEY} is off: {VAR}='1' in that process (unset it, or turn {KEY} on)"),
     ],
 )
 def test_each_disagreeing_worker_is_named_with_why(model, bad, reason):

@@ -153,3 +153,31 @@ def test_named_fp32out_is_an_exact_upcast_there(modules, torch_2_7, monkeypatch)
     assert logits.dtype == torch.float32
     assert _rel(logits, _reference(head, h) * 0.5) < 1e-6  # vLLM's own scale, on fp32 logits
     assert head._fp32patch_state.way == "fp32out" and head._fp32patch_state.copy.weight is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "way"),
+    [
+        ({"FP32PATCH_VLLM_LM_HEAD": "copy"}, "copy"),
+        ({"FP32PATCH_VLLM_LM_HEAD": "fp32out", "NRL_VLLM_FP32_LM_HEAD": "fp32out"}, "fp32out"),
+        ({"FP32PATCH_VLLM_LM_HEAD": "1", "NRL_VLLM_FP32_LM_HEAD": ""}, "copy"),
+    ],
+)
+def test_the_neutral_name_turns_the_patched_file_on(modules, torch_2_7, monkeypatch, environ, way):
+    _, patched = modules
+    for name in ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    head, h = ParallelLMHead(), _hidden()
+    logits = patched.LogitsProcessor(VOCAB)(head, h)
+    assert logits.dtype == torch.float32 and _rel(logits, _reference(head, h)) < 1e-6
+    assert head._fp32patch_state.way == way
+
+
+def test_the_two_names_disagreeing_stop_the_forward_naming_both(modules, torch_2_7, monkeypatch):
+    _, patched = modules
+    monkeypatch.setenv("FP32PATCH_VLLM_LM_HEAD", "1")
+    monkeypatch.setenv("NRL_VLLM_FP32_LM_HEAD", "0")
+    with pytest.raises(ValueError, match=r"FP32PATCH_VLLM_LM_HEAD='1' and NRL_VLLM_FP32_LM_HEAD='0' disagree"):
+        patched.LogitsProcessor(VOCAB)(ParallelLMHead(), _hidden())

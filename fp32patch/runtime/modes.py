@@ -1,14 +1,18 @@
 """The values the two fp32 LM-head switches accept, in one place.
 
-Megatron's side is the ``mode`` of ``apply_fp32_lm_head`` (the ``megatron_cfg.fp32_lm_head``
-config key); vLLM's side is the environment variable ``NRL_VLLM_FP32_LM_HEAD`` that its
-EngineCore processes read. The runtime and the config guard both check against these
-tables, so a value one accepts is never refused by the other. Pure Python: no torch.
+The trainer's side is the ``mode`` of every trainer head's ``apply_fp32_lm_head`` (Megatron's,
+the PyTorch/HF head's, the fused log-prob path's), which each stack's config key carries;
+vLLM's side is an environment variable its EngineCore processes read, under two names:
+``FP32PATCH_VLLM_LM_HEAD`` (any stack, or plain vLLM) and ``NRL_VLLM_FP32_LM_HEAD``
+(NeMo-RL's, which upstream NeMo-RL reads and sets itself). The runtime and every guard check
+against these tables, so a value one accepts is never refused by another. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
-# Megatron output-layer modes. Each gives fp32 logits; they differ in how the GEMMs run:
+from collections.abc import Mapping
+
+# Trainer modes. Each gives fp32 logits; they differ in how the GEMMs run:
 #   fp32              bf16 operands upcast to fp32 inside the graph, IEEE fp32 GEMMs
 #   tf32              the same GEMMs with TF32 tensor cores allowed (operands that came from
 #                     bf16 are exact in TF32, so only the fp32 grad_output is rounded)
@@ -34,20 +38,42 @@ from __future__ import annotations
 # test_lm_head_gemm.py): fp32out's weight-gradient error equals TF32's and its input
 # gradient is the stock head's; fp32out-hilo's weight-gradient error is ~100x smaller than
 # TF32's; fp32out-bf16grad's ~7x larger.
-MEGATRON_MODES: tuple[str, ...] = ("fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad")
+TRAINER_MODES: tuple[str, ...] = ("fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad")
 
-# How the valid Megatron values are spelled in errors: YAML booleans plus the mode names.
-MEGATRON_VALUES_TEXT = "false, true, " + ", ".join(f'"{m}"' for m in MEGATRON_MODES)
+# How the valid trainer values are spelled in errors: YAML booleans plus the mode names.
+TRAINER_VALUES_TEXT = "false, true, " + ", ".join(f'"{m}"' for m in TRAINER_MODES)
 
-VLLM_ENV_VAR = "NRL_VLLM_FP32_LM_HEAD"
-# NeMo-RL hands env_vars to its workers as str(value), so these are compared as strings.
+# vLLM's switch, under its two names (both read; where both are set they must agree). The
+# neutral one first: the one a message names when neither is set and no stack says otherwise.
+VLLM_SWITCH = "FP32PATCH_VLLM_LM_HEAD"
+NRL_VLLM_SWITCH = "NRL_VLLM_FP32_LM_HEAD"
+VLLM_SWITCHES: tuple[str, ...] = (VLLM_SWITCH, NRL_VLLM_SWITCH)
+# Stacks set vLLM's switch by NeMo-RL's name: every fp32patch release's patched vLLM files read it.
+VLLM_ENV_VAR = NRL_VLLM_SWITCH
+# Stacks hand config values to workers as str(value), so these are compared as strings.
 VLLM_ON_VALUES: tuple[str, ...] = ("1", "fp32out", "copy")
 VLLM_OFF_VALUES: tuple[str, ...] = ("0",)
 VLLM_VALUES_TEXT = "unset, " + ", ".join(f'"{v}"' for v in (*VLLM_OFF_VALUES, *VLLM_ON_VALUES))
 
 
-def megatron_mode(value: object) -> str | None:
-    """The Megatron mode that ``value`` asks for, or None for off.
+def vllm_switch(environ: Mapping[str, object], *, blank_is_unset: bool = True) -> tuple[str, str] | None:
+    """vLLM's switch in ``environ`` (a process environment, or a config's ``env_vars``, whose
+    values are read as ``str()``): ``(name, value)`` of the name that is set, None where neither
+    is (an empty value is unset, as the patched files read it, unless ``blank_is_unset`` is
+    false: a config that writes one is refused). Both set to different values raise
+    ``ValueError`` naming both; the caller checks the value against ``VLLM_ON_VALUES`` and
+    ``VLLM_OFF_VALUES``."""
+    found = [(name, str(environ[name]).strip()) for name in VLLM_SWITCHES if name in environ]
+    if blank_is_unset:
+        found = [(name, value) for name, value in found if value]
+    if len({value for _, value in found}) > 1:
+        shown = " and ".join(f"{name}={value!r}" for name, value in found)
+        raise ValueError(f"{shown} disagree: vLLM's switch has two names, set one (or both to the same value)")
+    return found[0] if found else None
+
+
+def trainer_mode(value: object) -> str | None:
+    """The trainer mode that ``value`` asks for, or None for off.
 
     ``False`` and ``None`` are off, ``True`` is ``"fp32"``, a mode name is itself. Anything
     else (the string ``"false"``, ``"TF32"``, the integer 1) raises ``ValueError`` listing
@@ -57,6 +83,12 @@ def megatron_mode(value: object) -> str | None:
         return None
     if value is True:
         return "fp32"
-    if isinstance(value, str) and value in MEGATRON_MODES:
+    if isinstance(value, str) and value in TRAINER_MODES:
         return value
-    raise ValueError(f"fp32 LM-head mode {value!r} is not valid; use one of {MEGATRON_VALUES_TEXT}")
+    raise ValueError(f"fp32 LM-head mode {value!r} is not valid; use one of {TRAINER_VALUES_TEXT}")
+
+
+# The names these had when Megatron was the only trainer (patched files and callers use them).
+MEGATRON_MODES = TRAINER_MODES
+MEGATRON_VALUES_TEXT = TRAINER_VALUES_TEXT
+megatron_mode = trainer_mode

@@ -13,8 +13,8 @@ def _fp32patch_asked(policy_cfg=None, generation_cfg=None):
     It asks when policy.megatron_cfg or policy.dtensor_cfg holds an fp32 LM-head key, spelled
     right or nearly so (the runtime names the right key), or megatron_cfg holds
     fp32_residual_connection; when generation.vllm_cfg.fp32_lm_head is set and true; or when
-    vLLM's NRL_VLLM_FP32_LM_HEAD (generation.vllm_cfg.env_vars, else this process's
-    environment) is set to anything but "" or "0".
+    vLLM's switch, NRL_VLLM_FP32_LM_HEAD or FP32PATCH_VLLM_LM_HEAD (generation.vllm_cfg.env_vars,
+    else this process's environment), is set to anything but "" or "0".
     """
     import os
 
@@ -34,9 +34,10 @@ def _fp32patch_asked(policy_cfg=None, generation_cfg=None):
     if switch is not None and switch is not False and str(switch).strip().lower() not in ("", "0", "false"):
         return True
     env_vars = _fp32patch_get(vllm_cfg, "env_vars")
-    for value in (_fp32patch_get(env_vars, "NRL_VLLM_FP32_LM_HEAD"), os.environ.get("NRL_VLLM_FP32_LM_HEAD")):
-        if value is not None and str(value).strip() not in ("", "0"):
-            return True
+    for name in ("NRL_VLLM_FP32_LM_HEAD", "FP32PATCH_VLLM_LM_HEAD"):
+        for value in (_fp32patch_get(env_vars, name), os.environ.get(name)):
+            if value is not None and str(value).strip() not in ("", "0"):
+                return True
     return False
 
 
@@ -49,7 +50,8 @@ def _fp32patch_runtime(where):
 
         raise RuntimeError(
             f"{where}: this NeMo-RL config asks for fp32patch's fp32 LM head (a policy.megatron_cfg.fp32_* or "
-            "policy.dtensor_cfg.fp32_lm_head key, generation.vllm_cfg.fp32_lm_head, or NRL_VLLM_FP32_LM_HEAD), "
+            "policy.dtensor_cfg.fp32_lm_head key, generation.vllm_cfg.fp32_lm_head, or NRL_VLLM_FP32_LM_HEAD / "
+            "FP32PATCH_VLLM_LM_HEAD), "
             f"but fp32patch cannot be imported by {sys.executable} ({exc}). "
             "NeMo-RL runs each actor in its own venv: install fp32patch into every one of them, or drop "
             "those settings."
@@ -96,7 +98,7 @@ def _fp32patch_probe_vllm(generation):
     """Ask every vLLM worker for the dtype of its logits; refuse to go on where one disagrees.
 
     The driver's vLLM generation holds only the generation config: the workers are held to
-    the vLLM switch it sets (generation.vllm_cfg.fp32_lm_head, else NRL_VLLM_FP32_LM_HEAD), and
+    the vLLM switch it sets (generation.vllm_cfg.fp32_lm_head, else the variable), and
     the guard in the policy holds that switch to the trainer's.
     """
     cfg = generation.cfg
@@ -113,12 +115,16 @@ def _fp32patch_probe_vllm(generation):
         on = switch is True
         asked_by = f"policy.generation.vllm_cfg.fp32_lm_head={switch!r}"
     else:
-        value = _fp32patch_get(_fp32patch_get(vllm_cfg, "env_vars"), "NRL_VLLM_FP32_LM_HEAD")
+        env_vars = _fp32patch_get(vllm_cfg, "env_vars")
+        named = [(n, _fp32patch_get(env_vars, n)) for n in ("NRL_VLLM_FP32_LM_HEAD", "FP32PATCH_VLLM_LM_HEAD")]
+        name, value = next(((n, v) for n, v in named if v is not None), (None, None))
         source = "policy.generation.vllm_cfg.env_vars"
         if value is None:
-            value, source = os.environ.get("NRL_VLLM_FP32_LM_HEAD"), "the driver's environment"
+            named = [(n, os.environ.get(n, "")) for n in ("NRL_VLLM_FP32_LM_HEAD", "FP32PATCH_VLLM_LM_HEAD")]
+            name, value = next(((n, v) for n, v in named if v.strip()), ("NRL_VLLM_FP32_LM_HEAD", None))
+            source = "the driver's environment"
         on = value is not None and str(value).strip() not in ("", "0")
-        asked_by = f"NRL_VLLM_FP32_LM_HEAD={str(value)!r} in {source}"
+        asked_by = f"{name}={str(value)!r} in {source}"
     # the driver knows the vLLM switch; the guard's verdict in this process names the trainer's
     expected = "fp32" if on else None
     method = "fp32patch_probe_lm_head_async" if _fp32patch_get(vllm_cfg, "async_engine") else "fp32patch_probe_lm_head"
@@ -136,8 +142,10 @@ def _fp32patch_vllm_switch(config):
     two spellings to each other."""
     import os
 
+    names = ("NRL_VLLM_FP32_LM_HEAD", "FP32PATCH_VLLM_LM_HEAD")
     if _fp32patch_get(_fp32patch_get(config, "vllm_cfg"), "fp32_lm_head") in (True, "tf32"):
-        os.environ.setdefault("NRL_VLLM_FP32_LM_HEAD", "1")
+        if not any(os.environ.get(name, "").strip() for name in names):
+            os.environ["NRL_VLLM_FP32_LM_HEAD"] = "1"
 
 
 def _fp32patch_manages_vllm(get_vllm_file):

@@ -14,10 +14,11 @@ def _fp32patch_asked(model_config):
 
 
 def _fp32patch_env_asked():
-    """Whether NRL_VLLM_FP32_LM_HEAD in this process asks vLLM for fp32 logits."""
+    """Whether vLLM's switch in this process (FP32PATCH_VLLM_LM_HEAD or NRL_VLLM_FP32_LM_HEAD) asks vLLM for fp32 logits."""
     import os
 
-    return os.environ.get("NRL_VLLM_FP32_LM_HEAD", "").strip() not in ("", "0")
+    names = ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD")
+    return any(os.environ.get(name, "").strip() not in ("", "0") for name in names)
 
 
 def _fp32patch_runtime(where):
@@ -29,7 +30,7 @@ def _fp32patch_runtime(where):
 
         raise RuntimeError(
             f"{where}: this verl config asks for fp32patch's fp32 LM head (actor_rollout_ref.model.fp32_lm_head, or "
-            f"NRL_VLLM_FP32_LM_HEAD), but fp32patch cannot be imported by {sys.executable} ({exc}). Install fp32patch "
+            f"vLLM's switch FP32PATCH_VLLM_LM_HEAD / NRL_VLLM_FP32_LM_HEAD), but fp32patch cannot be imported by {sys.executable} ({exc}). Install fp32patch "
             "into the environment verl's workers and rollout servers run in, or drop those settings."
         ) from exc
     return runtime
@@ -43,12 +44,12 @@ def _fp32patch_check_config(config):
     env_vars = config
     for key in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
         env_vars = _fp32patch_get(env_vars, key)
-    variable = _fp32patch_get(env_vars, "NRL_VLLM_FP32_LM_HEAD")
+    variables = [_fp32patch_get(env_vars, name) for name in ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD")]
     if (
         _fp32patch_asked(_fp32patch_get(arr, "model"))
         or _fp32patch_env_asked()
         or _fp32patch_get(sglang, "enable_fp32_lm_head")
-        or str(variable if variable is not None else "").strip() not in ("", "0")
+        or any(str(v if v is not None else "").strip() not in ("", "0") for v in variables)
     ):
         _fp32patch_runtime("validate_config").check_config(config, where="validate_config")
 
@@ -68,7 +69,7 @@ def _fp32patch_wire_megatron(modules, model_config, role):
 
 
 def _fp32patch_vllm_env(model_config, where):
-    """NRL_VLLM_FP32_LM_HEAD in this process from the key, before vLLM's engine and its workers start."""
+    """vLLM's switch in this process from the key, before vLLM's engine and its workers start."""
     if _fp32patch_asked(model_config) or _fp32patch_env_asked():
         _fp32patch_runtime(where).set_vllm_env(model_config, where=where)
 

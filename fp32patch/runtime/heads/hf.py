@@ -37,7 +37,7 @@ weight's (1-D, tp) mesh; the plan's own output hook then does what it does for t
 
 Errors (the NeMo-RL wiring relies on these types):
 
-- ``ValueError``: ``mode`` is not a valid value (``modes.megatron_mode``), or the head already
+- ``ValueError``: ``mode`` is not a valid value (``modes.trainer_mode``), or the head already
   gives fp32 logits in another mode. Nothing is changed.
 - ``UnsupportedLmHeadError`` (a ``TypeError``): the head cannot get the fp32 override; the
   message names what was found: a LoRA-wrapped head (peft's ``lora.Linear``, an Automodel-style
@@ -60,7 +60,7 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
-from fp32patch.runtime.modes import megatron_mode
+from fp32patch.runtime.modes import trainer_mode
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +109,7 @@ def apply_fp32_lm_head(model: Any, mode: Any) -> Any:
     parallelized (FSDP2, TP), loaded and re-tied. Refusals raise ``UnsupportedLmHeadError``
     (``NoLmHeadError`` for a model without a head) and leave the model as it was.
     """
-    resolved = megatron_mode(mode)
+    resolved = trainer_mode(mode)
     if resolved is None:
         return model
     head, where = _find_head(model)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
-from fp32patch.runtime.modes import megatron_mode
+from fp32patch.runtime.modes import trainer_mode
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +116,7 @@ def apply_fp32_lm_head(model: Any, mode: Any) -> list[Any]:
     Returns the output layers that now give fp32 logits (already converted ones included),
     in chunk order.
     """
-    resolved = megatron_mode(mode)
+    resolved = trainer_mode(mode)
     if resolved is None:
         return []
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]

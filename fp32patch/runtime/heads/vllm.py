@@ -1,6 +1,7 @@
 """fp32 LM-head logits inside vLLM, correct across every weight refit.
 
-Two patches call this module when ``NRL_VLLM_FP32_LM_HEAD`` is set:
+Two patches call this module when vLLM's switch is set (``FP32PATCH_VLLM_LM_HEAD``, or
+NeMo-RL's name for it, ``NRL_VLLM_FP32_LM_HEAD``; ``modes.vllm_switch`` reads both):
 
 ``vllm-fp32-logits`` (``vllm/model_executor/layers/logits_processor.py``, every model)
     vLLM 0.9.1-0.25: just before ``LogitsProcessor._get_logits`` runs the head GEMM,
@@ -63,14 +64,22 @@ _SAMPLE_POINTS = 1 << 16  # elements of the weight compared before each eager us
 logger = logging.getLogger("vllm.fp32patch")
 
 
+def switch(environ: Any = None) -> tuple[str, str]:
+    """vLLM's switch in this process (``environ``: default ``os.environ``): the name that is set,
+    ``FP32PATCH_VLLM_LM_HEAD`` or ``NRL_VLLM_FP32_LM_HEAD``, and its value; ``(ENV, "")`` where
+    neither is. Raises ``ValueError`` where both are set to different values."""
+    found = modes.vllm_switch(os.environ if environ is None else environ)
+    return found if found is not None else (ENV, "")
+
+
 def requested_way(environ: Any = None) -> str | None:
-    """The way ``NRL_VLLM_FP32_LM_HEAD`` asks for: None (off), "auto", "fp32out" or "copy"."""
-    value = (environ if environ is not None else os.environ).get(ENV, "").strip()
+    """The way vLLM's switch asks for: None (off), "auto", "fp32out" or "copy"."""
+    name, value = switch(environ)
     if value in OFF_VALUES:
         return None
     if value not in WAYS:
         raise ValueError(
-            f"{ENV}={value!r} is not a valid value; use one of {', '.join(VALID_VALUES)} (unset or 0 is off)"
+            f"{name}={value!r} is not a valid value; use one of {', '.join(VALID_VALUES)} (unset or 0 is off)"
         )
     return WAYS[value]
 
@@ -185,7 +194,7 @@ def _state(processor: Any, head: Any, requested: str, hidden_dtype: torch.dtype,
         # object.__setattr__: a plain attribute, never a registered buffer or parameter
         object.__setattr__(head, "_fp32patch_state", state)
         level = logging.INFO if way in ("fp32out", "copy", "native") else logging.WARNING
-        logger.log(level, "fp32patch: %s: %s (%s=%s)", label, why, ENV, os.environ.get(ENV, ""))
+        logger.log(level, "fp32patch: %s: %s (%s=%s)", label, why, *switch())
     return state
 
 
@@ -299,7 +308,7 @@ def _copy_weight(state: _State, weight: torch.Tensor) -> torch.Tensor:
         if copy.weight is None:
             raise RuntimeError(
                 "fp32patch: the fp32 LM-head copy would be allocated inside CUDA-graph capture; "
-                "run one eager forward first (vLLM's warm-up does) or use NRL_VLLM_FP32_LM_HEAD=fp32out"
+                f"run one eager forward first (vLLM's warm-up does) or use {switch()[0]}=fp32out"
             )
         return copy.weight  # no checks and no allocation inside a capture
     if _stale(copy, weight):
@@ -408,11 +417,10 @@ def native_head_dtype(processor: Any, model_config: Any) -> torch.dtype:
     if explicit is not None:
         logger.warning(
             "fp32patch: %s=%s overrides hf_overrides head_dtype=%s: the head runs in float32",
-            ENV,
-            os.environ.get(ENV, ""),
+            *switch(),
             explicit,
         )
-    processor.__dict__["_fp32patch_native_source"] = ENV
+    processor.__dict__["_fp32patch_native_source"] = switch()[0]
     return torch.float32
 
 
@@ -508,7 +516,8 @@ def describe(model: Any) -> list[dict]:
             except ValueError as exc:
                 requested, reason = None, str(exc)
             else:
-                reason = f"{ENV} is unset or 0"
+                name, value = switch()
+                reason = f"{name} is unset or 0" if not value else f"{name}={value!r}"
             weight = getattr(head, "weight", None)
             if patch is None and not native:
                 way, reason = "stock", "neither fp32patch vLLM patch is applied to the files this model runs"

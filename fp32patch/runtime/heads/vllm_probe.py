@@ -4,9 +4,8 @@ with its LM head.
 ``probe_vllm_model(model)`` computes the logits of one probe row through the model's own
 ``compute_logits`` (vLLM's own logits processor and gather) and reports their dtype, the
 runtime's way and why, the switch as that process sees it, and whether the model's files
-carry fp32patch's edits. Any RL stack's vLLM worker can call it; each stack's glue holds the
-reports to its own config (``fp32patch.runtime.nemo_rl.check_probe_reports``,
-``fp32patch.runtime.verl.check_reports``) through ``disagreeing_reports``.
+carry fp32patch's edits. Any RL stack's vLLM worker can call it; each stack holds the reports
+to its own config through the kit's verdicts (``fp32patch.runtime.kit.probe``).
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -16,11 +15,9 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-from collections.abc import Callable, Mapping
 from typing import Any
 
-from fp32patch.runtime.errors import Fp32LmHeadMismatchError
-from fp32patch.runtime.modes import VLLM_ENV_VAR
+from fp32patch.runtime.modes import VLLM_SWITCHES
 
 MARKER = "# fp32patch:"
 
@@ -39,8 +36,9 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     ``dtype`` is that of this rank's logits (measured before the tensor-parallel gather on a
     rank that receives none: ``gathered`` False); ``way`` is "fp32out", "copy" or "native"
     (fp32 logits), "stock" (the bf16 path although the variable asks for fp32, ``reason`` says
-    why) or "off" (the variable is unset or 0 here); ``env`` is ``NRL_VLLM_FP32_LM_HEAD`` in
-    this process; ``patched`` says whether the model's files (``files``: its classes' and its
+    why) or "off" (vLLM's switch is unset or 0 here); ``env`` is the switch's value in this process
+    and ``env_name`` the name it is set by (``FP32PATCH_VLLM_LM_HEAD`` or ``NRL_VLLM_FP32_LM_HEAD``;
+    None where neither is set); ``patched`` says whether the model's files (``files``: its classes' and its
     logits processor's; ``file``: that of the class that owns the head) carry fp32patch's
     edits. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
     Refuses to run inside CUDA-graph capture; leaves the model as its first real call would.
@@ -55,7 +53,8 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     device = weight.device if weight is not None else torch.device("cpu")
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("fp32patch: the LM-head probe must not run during CUDA-graph capture")
-    env = os.environ.get(VLLM_ENV_VAR)
+    env_name = next((name for name in VLLM_SWITCHES if os.environ.get(name, "").strip()), None)
+    env = os.environ.get(env_name) if env_name is not None else None
     files = _source_files(model, owner)
     patched = any(_has_marker(path) for path in files)
     report: dict[str, Any] = {
@@ -64,6 +63,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
         "way": "stock",
         "reason": "",
         "env": env,
+        "env_name": env_name,
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "patched": patched,
@@ -77,7 +77,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     except Exception as exc:  # reported with this worker's name by check_probe_reports
         report["reason"] = f"compute_logits raised {type(exc).__name__}: {exc}"
         return report
-    report["way"], report["reason"] = _way(model, env, report["dtype"], patched, report["file"])
+    report["way"], report["reason"] = _way(model, env_name, env, report["dtype"], patched, report["file"])
     return report
 
 
@@ -182,7 +182,7 @@ def _extra_required_args(function: Any) -> int:
     return max(0, len(required) - 1)
 
 
-def _way(model: Any, env: str | None, dtype: str, patched: bool, file: str | None) -> tuple[str, str]:
+def _way(model: Any, name: str | None, env: str | None, dtype: str, patched: bool, file: str | None) -> tuple[str, str]:
     from fp32patch.runtime.heads import vllm as vllm_lm_head
 
     try:
@@ -190,10 +190,10 @@ def _way(model: Any, env: str | None, dtype: str, patched: bool, file: str | Non
     except ValueError as exc:
         return "stock", str(exc)
     if requested is None:
-        state = "unset" if env is None or not env.strip() else f"{env!r}"
+        state = f"{name} is {env!r}" if name is not None else f"vLLM's switch ({' or '.join(VLLM_SWITCHES)}) is unset"
         if dtype == "float32":
-            return "native", f"{_NATIVE}, although {VLLM_ENV_VAR} is {state} in this process"
-        return "off", f"{VLLM_ENV_VAR} is {state} in this process"
+            return "native", f"{_NATIVE}, although {state} in this process"
+        return "off", f"{state} in this process"
     info = vllm_lm_head.describe(model)[0]
     way = info.get("way")
     if way in (None, "stock") and not patched and dtype != "float32":
@@ -217,29 +217,3 @@ _WAY_REASONS = {
     "native": "vLLM computes this head in fp32 itself (head_dtype=float32)",
     "stock": "the runtime kept vLLM's stock bf16 path",
 }
-
-
-def disagreeing_reports(
-    reports: Any, expect_fp32: bool, why: Callable[[int, Mapping[str, Any]], str], *, where: str
-) -> tuple[list[Any], list[tuple[int, Any, str]]]:
-    """Hold the workers' reports (as a ``collective_rpc`` returns them; nested lists, one per
-    engine, flattened in order) to one expectation: every worker float32, or none. Returns the
-    flat reports and ``(index, report, reason)`` for each worker that disagrees (``why`` words
-    the reason of a report that came back); raises ``Fp32LmHeadMismatchError`` when no worker
-    reported at all."""
-    flat = _flatten(reports)
-    if not flat:
-        raise Fp32LmHeadMismatchError(f"fp32patch ({where}): no vLLM worker returned an LM-head probe report", [])
-    bad: list[tuple[int, Any, str]] = []
-    for index, report in enumerate(flat):
-        if not isinstance(report, Mapping):
-            bad.append((index, report, f"vLLM worker {index} returned no LM-head probe report (got {report!r})"))
-        elif (report.get("dtype") == "float32") != expect_fp32:
-            bad.append((index, report, why(index, report)))
-    return flat, bad
-
-
-def _flatten(reports: Any) -> list[Any]:
-    if isinstance(reports, (list, tuple)):
-        return [item for nested in reports for item in _flatten(nested)]
-    return [reports]

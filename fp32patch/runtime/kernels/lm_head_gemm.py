@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp32patch.runtime.kernels import fp32out
 from fp32patch.runtime.kernels.matmul_precision import cuda_tf32
-from fp32patch.runtime.modes import MEGATRON_MODES
+from fp32patch.runtime.modes import TRAINER_MODES
 
 if TYPE_CHECKING:
     import torch
@@ -188,8 +188,8 @@ def lm_head_linear(
     import torch
 
     global _FUNCTION
-    if mode not in MEGATRON_MODES:
-        raise ValueError(f"unknown fp32 LM-head mode {mode!r}; known: {', '.join(MEGATRON_MODES)}")
+    if mode not in TRAINER_MODES:
+        raise ValueError(f"unknown fp32 LM-head mode {mode!r}; known: {', '.join(TRAINER_MODES)}")
     if _FUNCTION is None:
         # Built on first use: this module must import without torch.
         _FUNCTION = _make_function()

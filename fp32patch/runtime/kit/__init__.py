@@ -1,1 +1,38 @@
-"""Layer 3's shared part: what every RL stack's glue is built from (the contract is below)."""
+"""The stack kit: what every RL stack's glue is built from, and the contract a stack follows.
+
+The kit (pure Python, no torch at import):
+
+- ``kit.stack.Stack``: one stack in three declarative fields (its name, its logger, its key);
+  ``Stack.guard`` runs the stack's rules as every patched guard runs them (the caller named in a
+  refusal, the notes logged, the verdict kept for the probe), ``Stack.wire`` gives a trainer
+  model fp32 logits through the Megatron or the PyTorch/HF head with a role label.
+- ``kit.config``: reading configs (plain dicts from DictConfig/pydantic, sections, the trainer
+  key's value with its hints, near-miss keys) and the measured case against one side alone.
+- ``kit.rollout``: the rollout's switches: vLLM's variable under both names (read from a config's
+  ``env_vars`` or the environment, set in a rollout process), vLLM's own ``head_dtype`` (0.26+),
+  SGLang's ``enable_fp32_lm_head``; the installed vLLM's release under any distribution name.
+- ``kit.probe``: the startup probe's RPC name and verdicts: the workers' reports held to one
+  expectation, one line per disagreeing worker, the refusal.
+
+What a stack provides (``fp32patch/runtime/<stack>/``, each file short; NeMo-RL, verl and TRL
+are the examples to copy):
+
+1. ``config.py``: ``STACK = Stack(...)``; its rules, ``validate_fp32_lm_head_config(config,
+   **kw) -> Settings`` (a frozen dataclass with ``notes``): where its trainer switch lives and
+   which trainers it wires (refuse the rest), what turns the rollout's switch on (``kit.rollout``),
+   what one side alone means there, fused log-prob paths (fp32-grade through
+   ``kernels.chunked_logprobs``, or refused, never silently bf16); and ``check_config(config,
+   where=...) = STACK.guard(rules, config, where=where)``.
+2. ``wiring.py``: thin adapters, one per place the stack builds a trainer model
+   (``STACK.wire(model, mode, trainer=..., role=...)``) or starts a rollout
+   (``kit.rollout.set_vllm_env`` / ``head_dtype_overrides`` / ``sglang_args``).
+3. ``probe.py``: where the stack reaches its vLLM workers (``kit.probe.PROBE_RPC`` through its
+   engine's ``collective_rpc``, or ``heads.vllm_probe.probe_vllm_model`` in process), then
+   ``disagreeing_reports`` -> ``disagreement`` -> ``refuse``.
+4. ``__init__.py``: the names its patched files call, and nothing else; those names never change
+   (an image patched by an older fp32patch imports them).
+5. Outside the runtime: a spec ``fp32patch/patches/<stack>-fp32-lm-head.toml`` whose edits call
+   those names through a gate snippet (``patches/snippets/<stack>_gate.py``: the stock code runs,
+   and fp32patch is never imported, unless the config asks); tests over the stack's real
+   releases (apply, verify, exact revert) and a real training step with its real trainer.
+"""

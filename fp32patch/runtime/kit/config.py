@@ -1,7 +1,6 @@
-"""What every RL stack's config guard shares: configs read as plain dicts and their sections, the trainer key's
-value read with its hints, the hint for a boolean written as a string, near-miss keys, and the
-measured case against one side alone.
-Pure Python: no torch."""
+"""Reading a stack's config, as every guard does: configs as plain dicts and their sections, the
+trainer key's value with its hints, the hint for a boolean written as a string, near-miss keys,
+and the measured case against one side alone. Pure Python: no torch."""
 
 from __future__ import annotations
 
@@ -62,22 +61,31 @@ def trainer_mode(raw: object, key: str) -> str | None:
     """The trainer mode ``raw`` (a config's value at ``key``) names, None for off; raises
     ``Fp32LmHeadConfigError`` naming the key, a hint for a quoted boolean or a capitalised
     name, and the valid values."""
+    from fp32patch.runtime import modes
     from fp32patch.runtime.errors import Fp32LmHeadConfigError
-    from fp32patch.runtime.modes import MEGATRON_MODES, MEGATRON_VALUES_TEXT, megatron_mode
 
     try:
-        return megatron_mode(raw)
+        return modes.trainer_mode(raw)
     except ValueError:
         hint = quoted_boolean(raw)
-        if not hint and isinstance(raw, str) and raw.strip().lower() in MEGATRON_MODES:
+        if not hint and isinstance(raw, str) and raw.strip().lower() in modes.TRAINER_MODES:
             hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
         raise Fp32LmHeadConfigError(
-            f"{key} = {raw!r} is not valid{hint}; valid values: {MEGATRON_VALUES_TEXT}"
+            f"{key} = {raw!r} is not valid{hint}; valid values: {modes.TRAINER_VALUES_TEXT}"
         ) from None
 
 
 def _normalised(key: str) -> str:
     return key.lower().replace("_", "").replace("-", "").replace(" ", "")
+
+
+def closest(key: str, candidates: list[str]) -> str | None:
+    """The candidate spelled most like ``key`` (None where there is none)."""
+    if not candidates:
+        return None
+    return max(
+        candidates, key=lambda right: difflib.SequenceMatcher(None, _normalised(key), _normalised(right)).ratio()
+    )
 
 
 def near_miss(key: object, right: str) -> bool:

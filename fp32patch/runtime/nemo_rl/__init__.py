@@ -1,9 +1,9 @@
 """What NeMo-RL's patched files call: one config turns the fp32 LM head on in both engines.
 
-NeMo-RL's glue, in one place (``config``: the guard; ``wiring``: the trainer's head on the
-models NeMo-RL builds; ``probe``: the driver's verdict on the vLLM workers' reports). The
-heads themselves are shared by every stack (``megatron_lm_head``, ``vllm_lm_head``), as is
-the worker-side measurement (``vllm_probe``).
+NeMo-RL's glue, on the stack kit (``fp32patch.runtime.kit``, whose docstring is the contract):
+``config``: its rules; ``wiring``: the trainer's head on the models NeMo-RL builds; ``probe``:
+the driver's verdict on the vLLM workers' reports. The heads are every stack's
+(``fp32patch.runtime.heads``), as is the worker-side measurement (``heads.vllm_probe``).
 
 - ``check_config(cfg, where=...)``: the config guard, run in the driver before any worker
   starts and again in each Megatron and DTensor worker.
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
 from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
+from fp32patch.runtime.kit.probe import PROBE_RPC
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.nemo_rl.config import Fp32LmHeadSettings, check_config, validate_fp32_lm_head_config
-from fp32patch.runtime.nemo_rl.probe import PROBE_RPC, check_probe_reports
+from fp32patch.runtime.nemo_rl.probe import check_probe_reports
 from fp32patch.runtime.nemo_rl.wiring import wire_dtensor, wire_megatron
 
 __all__ = [

@@ -5,7 +5,8 @@ The trainer's switch is the enabled backend's: ``megatron_cfg.fp32_lm_head`` (Me
 "fp32out", "fp32out-hilo", "fp32out-bf16grad" (missing or null: false; the string "false" and
 "TF32" are errors, never quietly off). vLLM's switch is ``generation.vllm_cfg.fp32_lm_head``
 (true/false, or "tf32" as upstream NeMo-RL's alias of true; upstream's key since September
-2026) or, the older spelling, ``NRL_VLLM_FP32_LM_HEAD`` in ``generation.vllm_cfg.env_vars``
+2026) or, the older spelling, ``NRL_VLLM_FP32_LM_HEAD`` (or fp32patch's neutral name for it,
+``FP32PATCH_VLLM_LM_HEAD``) in ``generation.vllm_cfg.env_vars``
 ("1", "fp32out", "copy"; "0" or unset is off), else in the driver's environment. ``validate_fp32_lm_head_config``
 raises ``Fp32LmHeadConfigError`` unless
 
@@ -39,21 +40,24 @@ it logs the warnings (one side alone, the older vLLM spelling). Pure Python.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
-from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, near_miss, plain, quoted_boolean, section, trainer_mode
-from fp32patch.runtime.modes import (
-    MEGATRON_MODES,
-    VLLM_ENV_VAR,
-    VLLM_OFF_VALUES,
-    VLLM_ON_VALUES,
-    VLLM_VALUES_TEXT,
+from fp32patch.runtime.kit.config import (
+    ONE_SIDED_EVIDENCE,
+    closest,
+    near_miss,
+    plain,
+    quoted_boolean,
+    section,
+    trainer_mode,
 )
+from fp32patch.runtime.kit.rollout import read_vllm_switch
+from fp32patch.runtime.kit.stack import Stack
+from fp32patch.runtime.modes import TRAINER_MODES, VLLM_ENV_VAR, VLLM_ON_VALUES, VLLM_SWITCHES
 
 # The switches as NeMo-RL's messages name them.
 MEGATRON_KEY = "policy.megatron_cfg.fp32_lm_head"
@@ -69,7 +73,8 @@ ONE_SIDED_KEY = "allow_one_sided_fp32_lm_head"
 # Generation backends that start vLLM with generation.vllm_cfg.
 VLLM_BACKENDS = ("vllm", "dynamo")
 
-logger = logging.getLogger("nemo_rl.fp32patch")
+STACK = Stack("NeMo-RL", "nemo_rl.fp32patch", key=MEGATRON_KEY)
+logger = STACK.logger
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,7 @@ def validate_fp32_lm_head_config(
     else:
         shown = "true" if source.endswith("vllm_cfg.fp32_lm_head") else f'"{vllm}"'
         what = f"{source} is {shown} but {key} is off: the trainer would still round its logits to bf16 (fp32 logits on vLLM only)"
-        fix = f"Set {key} to one of {_quoted(MEGATRON_MODES)} (or true), or turn vLLM's switch off"
+        fix = f"Set {key} to one of {_quoted(TRAINER_MODES)} (or true), or turn vLLM's switch off"
     if not allow:
         raise Fp32LmHeadConfigError(
             f"{what}. One side alone is refused unless asked for: {ONE_SIDED_EVIDENCE}. {fix}; or, "
@@ -267,10 +272,11 @@ def _refuse_near_misses(policy: Mapping[str, Any], sections: Mapping[str, Mappin
             )
     env_vars = vllm_cfg.get("env_vars") if isinstance(vllm_cfg, Mapping) else None
     for key in env_vars if isinstance(env_vars, Mapping) else ():
-        if near_miss(key, VLLM_ENV_VAR):
+        meant = closest(key, [name for name in VLLM_SWITCHES if near_miss(key, name)])
+        if meant is not None and key not in VLLM_SWITCHES:
             raise Fp32LmHeadConfigError(
                 f"{prefix}generation.vllm_cfg.env_vars.{key} is not the variable vLLM's patched "
-                f"files read: did you mean {VLLM_ENV_VAR}? Better, use "
+                f"files read: did you mean {meant}? Better, use "
                 f"{prefix}generation.vllm_cfg.fp32_lm_head: true"
             )
 
@@ -308,26 +314,16 @@ def _vllm_value(
                 f'{key} = {raw!r} is not valid{quoted_boolean(raw)}; valid values: false, true, "{_VLLM_KEY_TF32_ALIAS}" '
                 f'(an alias of true; the way, e.g. "copy", is {VLLM_ENV_VAR}\'s to choose)'
             )
-    if VLLM_ENV_VAR in env_vars:
-        raw = env_vars[VLLM_ENV_VAR]
-        source = f"{prefix}generation.vllm_cfg.env_vars.{VLLM_ENV_VAR}"
-        value = str(raw)  # what NeMo-RL hands to the workers
-    elif VLLM_ENV_VAR in environ and from_key is None:
-        raw = value = environ[VLLM_ENV_VAR]
-        source = f"the environment variable {VLLM_ENV_VAR}"
-    else:
+    # the variable in env_vars, else (where the key is not set) in the driver's environment
+    switch = read_vllm_switch(env_vars, f"{prefix}generation.vllm_cfg.env_vars", environ if from_key is None else {})
+    if switch is None:
         return from_key, key, key_notes
-    if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
-        hint = ""
-        if isinstance(raw, bool) or raw is None:
-            spelled = {True: "true", False: "false", None: "null"}[raw]
-            hint = f' (YAML {spelled} reaches vLLM as the string "{value}"; write 1 or 0)'
-        raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}")
+    value, raw, source = switch.value, switch.raw, switch.source
     if from_key is None:
         notes: tuple[str, ...] = ()
-        if source.startswith(prefix + "generation"):
+        if source.startswith(prefix + "generation") and switch.name == VLLM_ENV_VAR:
             said = "false" if value == "0" else "true"
-            way = f' (the key is a boolean; keep {VLLM_ENV_VAR}="{value}" beside it to choose that way)'
+            way = f' (the key is a boolean; keep {switch.name}="{value}" beside it to choose that way)'
             notes = (
                 f"{source} is the older spelling of vLLM's switch: NeMo-RL since 2026-08-31 reserves that "
                 f"variable and refuses it in env_vars; write {key}: {said} instead (fp32patch accepts it "
@@ -337,7 +333,7 @@ def _vllm_value(
     if (from_key in VLLM_ON_VALUES) != (value in VLLM_ON_VALUES):
         raise Fp32LmHeadConfigError(
             f"{key} = {vllm_cfg['fp32_lm_head']!r} and {source} = {raw!r} disagree: keep {key} and remove "
-            f"{VLLM_ENV_VAR} from env_vars"
+            f"{switch.name} from env_vars"
         )
     # both on: the variable may name the way ("copy") where the key says only true
     return (value if from_key == "1" else from_key), key, key_notes
@@ -370,29 +366,26 @@ def check_config(
     """
     if megatron_head not in MEGATRON_HEADS:
         raise ValueError(f"megatron_head must be one of {MEGATRON_HEADS}, not {megatron_head!r}")
-    try:
-        policy = _policy_of(cfg)
-        # Validated as part of a master config, so every message names the full YAML path.
-        settings = validate_fp32_lm_head_config({"policy": policy}, environ=environ)
-        _check_residual(policy)
-        if megatron_head == "upstream":
-            _check_upstream_megatron_head(policy, settings)
-    except Fp32LmHeadConfigError as exc:
-        raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
-    for note in settings.notes:
-        logger.warning("fp32patch (%s): %s", where, note)
-    _CHECKED[where] = settings
+    return STACK.guard(_rules, cfg, where=where, environ=environ, megatron_head=megatron_head)
+
+
+def _rules(cfg: Any, *, environ: Mapping[str, str] | None, megatron_head: str) -> Fp32LmHeadSettings:
+    """NeMo-RL's rules over the master config or its policy section, as ``check_config`` runs them."""
+    policy = _policy_of(cfg)
+    # Validated as part of a master config, so every message names the full YAML path.
+    settings = validate_fp32_lm_head_config({"policy": policy}, environ=environ)
+    _check_residual(policy)
+    if megatron_head == "upstream":
+        _check_upstream_megatron_head(policy, settings)
     return settings
-
-
-# What check_config last found in this process, by caller: the driver's probe verdict names
-# the trainer's switch from it (the driver's vLLM generation holds only the generation config).
-_CHECKED: dict[str, Fp32LmHeadSettings] = {}
 
 
 def checked_settings(where: str = "driver") -> Fp32LmHeadSettings | None:
     """The settings ``check_config(..., where=where)`` last returned in this process, if any."""
-    return _CHECKED.get(where)
+    return STACK.verdict(where)
+
+
+_CHECKED = STACK.verdicts
 
 
 def _policy_of(cfg: Any) -> dict[str, Any]:

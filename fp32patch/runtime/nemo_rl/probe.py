@@ -9,27 +9,24 @@ collective_rpc under the name ``PROBE_RPC``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
-from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
-from fp32patch.runtime.heads.vllm_probe import disagreeing_reports
-from fp32patch.runtime.modes import VLLM_ENV_VAR, megatron_mode
+from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit.probe import PROBE_RPC, disagreeing_reports, disagreement, refuse
+from fp32patch.runtime.modes import VLLM_ENV_VAR, trainer_mode
 from fp32patch.runtime.nemo_rl.config import (
     DTENSOR_KEY,
     MEGATRON_KEY,
     ONE_SIDED_KEY,
+    STACK,
     Fp32LmHeadSettings,
     checked_settings,
 )
 
-# The method NeMo-RL's patched vLLM worker extension gets; the driver calls it by this name
-# through NeMo-RL's collective_rpc.
-PROBE_RPC = "fp32patch_probe_lm_head"
+__all__ = ["PROBE_RPC", "check_probe_reports"]
 
-# A child of NeMo-RL's logger, so these lines go where NeMo-RL's own go.
-logger = logging.getLogger("nemo_rl.fp32patch")
+logger = STACK.logger
 
 
 def check_probe_reports(
@@ -55,7 +52,7 @@ def check_probe_reports(
         expect_fp32 = settings_or_mode.vllm_on if settings_or_mode.vllm is not None else mode is not None
     else:
         try:
-            mode = megatron_mode(settings_or_mode)
+            mode = trainer_mode(settings_or_mode)
         except ValueError as exc:
             raise Fp32LmHeadConfigError(f"fp32patch ({where}): {MEGATRON_KEY}: {exc}") from None
         key, expect_fp32 = MEGATRON_KEY, mode is not None
@@ -72,10 +69,11 @@ def check_probe_reports(
             why = "vLLM's switch asks every worker for fp32 logits, and these would generate from bf16 ones"
         else:
             why = "vLLM's switch is off, and these workers would generate from fp32 logits all the same"
-        lines = [f"fp32patch ({where}): the fp32 LM head is not on in both engines alike:"]
-        lines += [f"  {reason}" for _, _, reason in bad]
-        lines.append(f"{why}: a mix the config did not ask for. Fix the worker(s) above, or turn both switches off.")
-        raise Fp32LmHeadMismatchError("\n".join(lines), bad)
+        refuse(
+            bad,
+            header=f"fp32patch ({where}): the fp32 LM head is not on in both engines alike:",
+            footer=f"{why}: a mix the config did not ask for. Fix the worker(s) above, or turn both switches off.",
+        )
     ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
     dtypes = ", ".join(sorted({str(r.get("dtype")) for r in flat}))
     if asked_by is not None:
@@ -129,33 +127,12 @@ def _trainer_said(settings: Fp32LmHeadSettings | None) -> str:
 
 
 def _disagreement(index: int, report: Mapping[str, Any], mode: str | None, key: str, asked_by: str | None) -> str:
-    host, pid, dtype = report.get("host", "?"), report.get("pid", "?"), report.get("dtype")
-    env, way, reason = report.get("env"), report.get("way"), report.get("reason") or ""
-    worker = f"vLLM worker {index} (host {host}, pid {pid})"
     # what asked for this worker's logits, as the messages name it
     if asked_by is not None:
         asking = asked_by
     else:
         asking = f"{key}={mode!r}" if mode is not None else f"{key} is off"
-    if dtype is None:
-        return f"{worker} computes no logits while {asking}: {reason}"
-    if mode is not None:
-        said = f"{worker} computes {dtype} logits while {asking}: "
-        if env is None or env.strip() in ("", "0"):
-            state = "unset" if env is None or not env.strip() else f"{env!r}"
-            return said + (
-                f"{VLLM_ENV_VAR} is {state} in that process (set it in "
-                "policy.generation.vllm_cfg.env_vars, not only in the driver's environment)"
-            )
-        if not report.get("patched") and way != "native":
-            file = report.get("file")
-            return (
-                said
-                + "the model file is not patched (run fp32patch apply in that venv)"
-                + (f": {file}" if file else "")
-            )
-        return said + f"the way is {way}: {reason}"
-    said = f"{worker} computes float32 logits while {asking}: "
-    if env is not None and env.strip() not in ("", "0"):
-        return said + f"{VLLM_ENV_VAR}={env!r} in that process (unset it, or turn {key} on)"
-    return said + f"the way is {way}: {reason}"
+    hint = " (set it in policy.generation.vllm_cfg.env_vars, not only in the driver's environment)"
+    return disagreement(
+        index, report, expect_fp32=mode is not None, asking=asking, switch=VLLM_ENV_VAR, key=key, hint=hint
+    )

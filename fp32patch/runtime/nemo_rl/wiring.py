@@ -7,15 +7,12 @@ it is parallelized (FSDP2, TP), loaded and re-tied; a reward model keeps its sto
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.kit.config import plain
-from fp32patch.runtime.modes import megatron_mode
-from fp32patch.runtime.nemo_rl.config import DTENSOR_KEY, MEGATRON_KEY
-
-logger = logging.getLogger("nemo_rl.fp32patch")
+from fp32patch.runtime.modes import trainer_mode
+from fp32patch.runtime.nemo_rl.config import DTENSOR_KEY, MEGATRON_KEY, STACK
 
 
 def wire_megatron(model: Any, megatron_cfg: Any) -> Any:
@@ -28,20 +25,7 @@ def wire_megatron(model: Any, megatron_cfg: Any) -> Any:
     different mode raises.
     """
     mode = _mode(megatron_cfg, "megatron_cfg", MEGATRON_KEY, "wire_megatron")
-    if mode is None:
-        return model
-    from fp32patch.runtime.heads.megatron import apply_fp32_lm_head
-
-    layers = apply_fp32_lm_head(model, mode)
-    chunks = len(model) if isinstance(model, (list, tuple)) else 1
-    logger.info(
-        "fp32patch: Megatron output layer in fp32 (mode %r): %d of %d model chunk(s) hold the last "
-        "pipeline stage's head",
-        mode,
-        len(layers),
-        chunks,
-    )
-    return model
+    return STACK.wire(model, mode, trainer="megatron", role="policy")
 
 
 def wire_dtensor(model: Any, dtensor_cfg: Any, *, reward_model: bool = False) -> Any:
@@ -61,7 +45,7 @@ def wire_dtensor(model: Any, dtensor_cfg: Any, *, reward_model: bool = False) ->
     if mode is None:
         return model
     if reward_model:
-        logger.info(
+        STACK.logger.info(
             "fp32patch: %s is a reward model (policy.reward_model_cfg.enabled): it keeps its stock "
             "score head; %s=%r applies to LM heads",
             type(model).__name__,
@@ -69,17 +53,7 @@ def wire_dtensor(model: Any, dtensor_cfg: Any, *, reward_model: bool = False) ->
             mode,
         )
         return model
-    from fp32patch.runtime.heads.hf import apply_fp32_lm_head
-
-    apply_fp32_lm_head(model, mode)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    logger.info(
-        "fp32patch: DTensor policy's LM head in fp32 (mode %r): %s of %s",
-        mode,
-        type(head).__name__ if head is not None else "the head",
-        type(model).__name__,
-    )
-    return model
+    return STACK.wire(model, mode, trainer="hf", role="DTensor policy")
 
 
 def _mode(cfg: Any, section_name: str, key: str, caller: str) -> str | None:
@@ -93,6 +67,6 @@ def _mode(cfg: Any, section_name: str, key: str, caller: str) -> str | None:
     if "fp32_lm_head" not in section and isinstance(section.get(section_name), dict):
         section = section[section_name]  # the policy section was passed
     try:
-        return megatron_mode(section.get("fp32_lm_head"))
+        return trainer_mode(section.get("fp32_lm_head"))
     except ValueError as exc:
         raise Fp32LmHeadConfigError(f"{key}: {exc}") from None

@@ -1,10 +1,10 @@
 """What verl's patched files call: one key, ``actor_rollout_ref.model.fp32_lm_head``, turns the
 fp32 LM head on in the trainer (actor and ref) and in every rollout server.
 
-verl's glue in one place (``config``: the guard; ``wiring``: the heads on the models verl builds
-and the switch in its rollout servers; ``probe``: the servers' check of their vLLM workers). The
-heads are shared with every stack (``hf_lm_head``, ``megatron_lm_head``, ``vllm_lm_head``), as is
-the worker-side measurement (``vllm_probe``).
+verl's glue, on the stack kit (``fp32patch.runtime.kit``, whose docstring is the contract):
+``config``: its rules; ``wiring``: the heads on the models verl builds and the switch in its
+rollout servers; ``probe``: the servers' check of their vLLM workers. The heads are every
+stack's (``fp32patch.runtime.heads``), as is the worker-side measurement (``heads.vllm_probe``).
 
 - ``check_config(config, where=...)``: the guard, from ``verl.utils.config.validate_config``.
 - ``wire_hf(module, model_config, role=...)``: the FSDP engine's and the legacy FSDP workers'
@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
 from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
+from fp32patch.runtime.kit.probe import PROBE_RPC
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, VerlSettings, check_config, validate_fp32_lm_head_config
-from fp32patch.runtime.verl.probe import PROBE_RPC, check_reports, probe_model, probe_server
+from fp32patch.runtime.verl.probe import check_reports, probe_model, probe_server
 from fp32patch.runtime.verl.wiring import set_vllm_env, sglang_args, wire_hf, wire_megatron
 
 __all__ = [

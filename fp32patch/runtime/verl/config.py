@@ -33,7 +33,6 @@ Python: no torch, no verl.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,12 +40,9 @@ from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, plain, section, trainer_mode
-from fp32patch.runtime.modes import (
-    VLLM_ENV_VAR,
-    VLLM_OFF_VALUES,
-    VLLM_ON_VALUES,
-    VLLM_VALUES_TEXT,
-)
+from fp32patch.runtime.kit.rollout import installed_vllm_version, read_vllm_switch
+from fp32patch.runtime.kit.stack import Stack
+from fp32patch.runtime.modes import VLLM_ENV_VAR, VLLM_OFF_VALUES, VLLM_ON_VALUES
 
 KEY = "actor_rollout_ref.model.fp32_lm_head"
 # trainer strategies whose actor and ref models the patch wires (the FSDP engine and legacy
@@ -54,11 +50,13 @@ KEY = "actor_rollout_ref.model.fp32_lm_head"
 WIRED_STRATEGIES: tuple[str, ...] = ("fsdp", "fsdp2", "fsdp_turbo", "megatron")
 ROLLOUTS: tuple[str, ...] = ("vllm", "sglang")
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
-RUNTIME_ENV = f"ray_kwargs.ray_init.runtime_env.env_vars.{VLLM_ENV_VAR}"
+RUNTIME_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+RUNTIME_ENV = f"{RUNTIME_ENV_VARS}.{VLLM_ENV_VAR}"
 # the last vLLM release whose LoRA logits processor keeps its own (bf16) head under fp32patch
 LAST_BF16_LORA_VLLM = (0, 25)
 
-logger = logging.getLogger("verl.fp32patch")
+STACK = Stack("verl", "verl.fp32patch", key=KEY)
+logger = STACK.logger
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,7 @@ def validate_fp32_lm_head_config(
     rollout_cfg = section(arr, "rollout", "actor_rollout_ref.")
     mode = model_mode(model)
     rollout = rollout_cfg.get("name")
-    env_value, env_source = _env_value(cfg, os.environ if environ is None else environ)
+    env_value, env_source, env_name = _env_value(cfg, os.environ if environ is None else environ)
     sglang_kwargs = section(section(rollout_cfg, "engine_kwargs", "actor_rollout_ref.rollout."), "sglang", "")
     sglang_asked = sglang_kwargs.get("enable_fp32_lm_head")
 
@@ -106,7 +104,7 @@ def validate_fp32_lm_head_config(
             raise Fp32LmHeadConfigError(
                 f'{env_source} is "{env_value}" but {KEY} is off: vLLM would compute fp32 logits and the '
                 f"trainer bf16 ones ({ONE_SIDED_EVIDENCE}). Set {KEY} (e.g. fp32out), which turns both on, "
-                f"and remove {VLLM_ENV_VAR}"
+                f"and remove {env_name}"
             )
         if rollout == "sglang" and sglang_asked is True:
             raise Fp32LmHeadConfigError(
@@ -146,7 +144,7 @@ def validate_fp32_lm_head_config(
         if env_value in VLLM_OFF_VALUES:
             raise Fp32LmHeadConfigError(
                 f'{KEY} is {mode!r} but {env_source} is "{env_value}": the two disagree. Remove '
-                f"{VLLM_ENV_VAR}; the key sets it in every vLLM rollout process"
+                f"{env_name}; the key sets it in every vLLM rollout process"
             )
         vllm = env_value if env_value in VLLM_ON_VALUES and env_value != "1" else "1"
         _check_lora(model, mode)
@@ -184,21 +182,15 @@ def as_plain(config: Any) -> Any:
     return plain(config)
 
 
-def _env_value(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
-    """``NRL_VLLM_FP32_LM_HEAD`` as verl's Ray workers will see it, and where it was set."""
+def _env_value(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str, str]:
+    """vLLM's switch as verl's Ray workers will see it: its value, where it was set, and its name."""
     env_vars = cfg
     for key in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
         env_vars = env_vars.get(key) if isinstance(env_vars, Mapping) else None
-    if isinstance(env_vars, Mapping) and VLLM_ENV_VAR in env_vars:
-        raw, source = env_vars[VLLM_ENV_VAR], RUNTIME_ENV
-    elif VLLM_ENV_VAR in environ:
-        raw, source = environ[VLLM_ENV_VAR], f"the environment variable {VLLM_ENV_VAR}"
-    else:
-        return None, ""
-    value = str(raw)
-    if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
-        raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid; valid values: {VLLM_VALUES_TEXT}")
-    return value, source
+    switch = read_vllm_switch(env_vars if isinstance(env_vars, Mapping) else None, RUNTIME_ENV_VARS, environ)
+    if switch is None:
+        return None, "", VLLM_ENV_VAR
+    return switch.value, switch.source, switch.name
 
 
 def _fused_backend(arr: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
@@ -230,18 +222,7 @@ def _check_lora(model: Mapping[str, Any], mode: str) -> None:
     )
 
 
-def _installed_vllm() -> tuple[int, ...] | None:
-    from importlib import metadata
-
-    try:
-        text = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+_installed_vllm = installed_vllm_version
 
 
 def check_config(
@@ -250,12 +231,7 @@ def check_config(
     """verl's patched ``validate_config`` calls this with the whole config: refuses what cannot
     give both engines the same logits (``Fp32LmHeadConfigError``, naming ``where``), logs the
     notes and one line saying what runs."""
-    try:
-        settings = validate_fp32_lm_head_config(config, environ=environ)
-    except Fp32LmHeadConfigError as exc:
-        raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
-    for note in settings.notes:
-        logger.warning("fp32patch (%s): %s", where, note)
+    settings = STACK.guard(validate_fp32_lm_head_config, config, where=where, environ=environ)
     if settings.mode is not None:
         rollout = (
             f"{VLLM_ENV_VAR}={settings.vllm} in every vLLM rollout process"

@@ -10,18 +10,16 @@ asks: the run fails at startup, not after a day of one-sided training.
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Mapping
 from typing import Any
 
-from fp32patch.runtime.errors import Fp32LmHeadMismatchError
-from fp32patch.runtime.heads.vllm_probe import disagreeing_reports
+from fp32patch.runtime.kit.probe import PROBE_RPC, disagreeing_reports, disagreement, refuse
 from fp32patch.runtime.modes import VLLM_ENV_VAR
-from fp32patch.runtime.verl.config import KEY, model_mode
+from fp32patch.runtime.verl.config import KEY, STACK, model_mode
 
-PROBE_RPC = "fp32patch_probe_lm_head"
+__all__ = ["PROBE_RPC", "check_reports", "probe_model", "probe_server"]
 
-logger = logging.getLogger("verl.fp32patch")
+logger = STACK.logger
 
 
 async def probe_server(engine_client: Any, model_config: Any, *, where: str) -> list[Any]:
@@ -49,10 +47,11 @@ def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
     mode = model_mode(model_config)
     flat, bad = disagreeing_reports(reports, mode is not None, lambda i, r: _why(i, r, mode), where=where)
     if bad:
-        lines = [f"fp32patch ({where}): the rollout's logits do not follow {KEY}={mode!r}:"]
-        lines += [f"  {reason}" for _, _, reason in bad]
-        lines.append("The trainer and the rollout would compute different logits. Fix the worker(s) above.")
-        raise Fp32LmHeadMismatchError("\n".join(lines), bad)
+        refuse(
+            bad,
+            header=f"fp32patch ({where}): the rollout's logits do not follow {KEY}={mode!r}:",
+            footer="The trainer and the rollout would compute different logits. Fix the worker(s) above.",
+        )
     ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
     logger.info(
         "fp32patch (%s): %d vLLM worker(s) compute %s logits (way: %s), as %s=%r asks",
@@ -66,17 +65,5 @@ def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
 
 
 def _why(index: int, report: Mapping[str, Any], mode: str | None) -> str:
-    worker = f"vLLM worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
-    dtype, env, way = report.get("dtype"), report.get("env"), report.get("way")
-    reason = report.get("reason") or ""
-    if dtype is None:
-        return f"{worker} computes no logits: {reason}"
-    if mode is None:
-        return f"{worker} computes float32 logits ({VLLM_ENV_VAR}={env!r}, way {way}) while {KEY} is off"
-    if env is None or env.strip() in ("", "0"):
-        return f"{worker} computes {dtype} logits: {VLLM_ENV_VAR} is {env!r} in that process"
-    if not report.get("patched") and way != "native":
-        return (
-            f"{worker} computes {dtype} logits: vLLM's files are not patched (run fp32patch apply in that environment)"
-        )
-    return f"{worker} computes {dtype} logits: the way is {way}: {reason}"
+    asking = f"{KEY}={mode!r}" if mode is not None else f"{KEY} is off"
+    return disagreement(index, report, expect_fp32=mode is not None, asking=asking, switch=VLLM_ENV_VAR, key=KEY)

