@@ -1067,7 +1067,9 @@ def test_the_dtensor_policy_gets_the_fp32_head_once_built(monkeypatch, patched_r
     assert logits.dtype == torch.float32
     assert torch.allclose(logits.double(), _reference_logits(worker.model, ids), rtol=1e-5, atol=1e-5)
     lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl.fp32patch"]
-    assert lines == ["fp32patch: the DTensor policy's LM head gives fp32 logits (mode 'fp32out'): Linear of TinyCausalLM"]
+    assert lines == [
+        "fp32patch: the DTensor policy's LM head gives fp32 logits (mode 'fp32out'): Linear of TinyCausalLM"
+    ]
 
 
 _VLLM_ON = {"backend": "vllm", "colocated": {"enabled": True}, "vllm_cfg": {"env_vars": {VAR: "1"}}}

@@ -633,7 +633,11 @@ def test_every_worker_stock_agrees_with_the_key_off(log_lines):
 @pytest.mark.parametrize(
     ("model", "bad", "reason"),
     [
-        (ON, report("bfloat16", "off", None), f"computes bfloat16 logits while {ASKED}: {VAR} is unset in that process"),
+        (
+            ON,
+            report("bfloat16", "off", None),
+            f"computes bfloat16 logits while {ASKED}: {VAR} is unset in that process",
+        ),
         (ON, report("bfloat16", "off", "0"), f"computes bfloat16 logits while {ASKED}: {VAR} is '0' in that process"),
         (
             ON,
@@ -650,7 +654,11 @@ def test_every_worker_stock_agrees_with_the_key_off(log_lines):
             report(None, "stock", "1", reason="compute_logits raised"),
             f"computes no logits while {ASKED}: compute_logits raised",
         ),
-        (OFF, report(), f"computes float32 logits while {KEY} is off: {VAR}='1' in that process (unset it, or turn {KEY} on)"),
+        (
+            OFF,
+            report(),
+            f"computes float32 logits while {KEY} is off: {VAR}='1' in that process (unset it, or turn {KEY} on)",
+        ),
     ],
 )
 def test_each_disagreeing_worker_is_named_with_why(model, bad, reason):
