@@ -83,7 +83,9 @@ def test_off_reports_bfloat16_and_off(vllm_runtime, var, info_lines):
     model = vllm_runtime.model()
     report = probe_vllm_model(model)
     assert (report["dtype"], report["way"], report["env"], report["patched"]) == ("bfloat16", "off", None, True)
-    assert report["reason"] == f"{VAR} is unset in this process"
+    assert (
+        report["reason"] == "vLLM's switch (FP32PATCH_VLLM_LM_HEAD or NRL_VLLM_FP32_LM_HEAD) is unset in this process"
+    )
     assert "_fp32patch_state" not in model.lm_head.__dict__  # off: the runtime never ran
     check_probe_reports([report], None)
     assert info_lines() == [

@@ -88,7 +88,8 @@ def test_a_worker_without_the_variable_stops_the_server(server_env):
     assert message.startswith(f"fp32patch ({WHERE}): the rollout's logits do not follow")
     for index, r in enumerate(reports):
         assert (
-            f"vLLM worker {index} (host {r['host']}, pid {r['pid']}) computes bfloat16 logits: {VAR} is None in that process"
+            f"vLLM worker {index} (host {r['host']}, pid {r['pid']}) computes bfloat16 logits while "
+            f"actor_rollout_ref.model.fp32_lm_head='fp32out': {VAR} is unset in that process"
         ) in message
 
 
