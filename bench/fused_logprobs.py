@@ -60,7 +60,7 @@ from fp32patch.runtime.kernels.chunked_logprobs import (  # noqa: E402
     fold_tile,
     grad_tile,
 )
-from fp32patch.runtime.lm_head_gemm import lm_head_linear  # noqa: E402
+from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
 
 DEVICE = "cuda"
 HIDDEN, VOCAB = 4096, 152064  # Qwen2.5-7B's hidden size and vocabulary

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
-from fp32patch.runtime.lm_head_gemm import lm_head_linear
+from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import MEGATRON_MODES
 from tests.support.tiny_lm import CausalLM
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp32patch.runtime import fp32out
-from fp32patch.runtime.fp32out import TRITON_ENV_VAR
+from fp32patch.runtime.kernels import fp32out
 from fp32patch.runtime.kernels.chunked_logprobs import RowStats, chunked_logprobs, fold_tile, grad_tile
-from fp32patch.runtime.lm_head_gemm import lm_head_linear
+from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
+from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import MEGATRON_MODES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

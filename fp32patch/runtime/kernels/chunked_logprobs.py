@@ -50,8 +50,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime.fp32out import TRITON_ENV_VAR
-from fp32patch.runtime.lm_head_gemm import _backward_gemms, _deliver_weight_grad, _fwd_mm, _precision
+from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
+from fp32patch.runtime.kernels.lm_head_gemm import _backward_gemms, _deliver_weight_grad, _fwd_mm, _precision
 from fp32patch.runtime.modes import MEGATRON_MODES
 
 if TYPE_CHECKING:
@@ -534,7 +534,7 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, acc, dx_rows) -> Non
     accumulated in fp32 in the GEMM (``addmm``) or by fp32out's unscale kernel."""
     import torch
 
-    from fp32patch.runtime import fp32out
+    from fp32patch.runtime.kernels import fp32out
 
     tile = _fwd_mm(plan.mode, xr, block)
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
@@ -578,7 +578,7 @@ def _accumulate_product(acc, a, b) -> None:
     where torch has ``addmm(out_dtype=float32)`` (CUDA), else as fp32out's product added."""
     import torch
 
-    from fp32patch.runtime import fp32out
+    from fp32patch.runtime.kernels import fp32out
 
     key = (acc.device.type, str(a.dtype))
     if key not in _ADDMM_SUPPORT:
