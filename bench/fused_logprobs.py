@@ -428,10 +428,10 @@ def measure_shape(t: int, hdim: int, v: int, args) -> dict:
 
 def measure_sweep(x, w, grad, targets, args) -> list[dict]:
     out = []
-    for r in SWEEP_ROWS:
-        if r > x.shape[0] and r != SWEEP_ROWS[0]:
+    for r in args.sweep_rows:
+        if r > x.shape[0] and r != args.sweep_rows[0]:
             continue
-        for c in SWEEP_VOCAB:
+        for c in args.sweep_vocab:
             way = Way(_ours("fp32out", rows=r, vocab=c or w.shape[0]))
             entry = {"chunk_rows": r, "chunk_vocab": c or w.shape[0]}
             for part, fn in steps(way, x, w, grad, targets).items():
@@ -492,6 +492,10 @@ def main() -> int:
     parser.add_argument("--min-ms", type=float, default=300.0, help="timed milliseconds per timing, at least")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the tile-size sweep")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=SWEEP_ROWS, help="tile rows to sweep")
+    parser.add_argument(
+        "--sweep-vocab", type=int, nargs="+", default=SWEEP_VOCAB, help="tile vocabulary entries to sweep (0: all)"
+    )
     parser.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run; times not worth reading)")
     args = parser.parse_args()
@@ -504,8 +508,7 @@ def main() -> int:
     lm_head.DEVICE = DEVICE
     if args.quick:
         args.tokens, args.hidden, args.vocab = QUICK["tokens"], QUICK["hidden"], QUICK["vocab"]
-        global SWEEP_ROWS, SWEEP_VOCAB
-        SWEEP_ROWS, SWEEP_VOCAB = [64, 128], [512, 0]
+        args.sweep_rows, args.sweep_vocab = [64, 128], [512, 0]
     torch.backends.cuda.matmul.allow_tf32 = False  # the ways set what they need themselves
     results = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -81,7 +81,7 @@ def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperat
     # the same formulas; only the exponentials' last bits differ (the GPU's exp2 against
     # torch's), which flips the 16-bit rounding of a few gradient entries
     assert (triton[0] - eager[0]).abs().max() < 1e-5
-    assert (triton[1] - eager[1]).abs().max() < 1e-5
+    assert (triton[1] - eager[1]).abs().max() < 5e-5  # log Z - E[z]: both ~20, the entropy ~2
     assert _rel(triton[2], eager[2]) < 1e-4 and (triton[2] == eager[2]).float().mean() > 0.95
     assert _rel(triton[3], eager[3]) < 5e-5
 

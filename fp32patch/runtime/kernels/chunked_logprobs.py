@@ -478,16 +478,13 @@ def _backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if need_dw and main_grad is None:
         dw = torch.empty_like(weight)
     with _precision(plan.mode, x.device):
+        row_spans = _spans(x.shape[0], plan.chunk_rows)
+        # one tile in a block: its weight gradient comes out of the GEMM in the weight's dtype
+        share_dtype = weight.dtype if len(row_spans) == 1 else torch.float32
         for v0, v1 in _spans(weight.shape[0], plan.chunk_vocab):
             block = weight[v0:v1]
-            acc = None
-            if need_dw:
-                acc = (
-                    main_grad[v0:v1]
-                    if main_grad is not None
-                    else torch.zeros(block.shape, dtype=torch.float32, device=block.device)
-                )
-            for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
+            acc = None if main_grad is None else main_grad[v0:v1]
+            for r0, r1 in row_spans:
                 rows = slice(r0, r1)
                 row_grads = _RowGrads(
                     local[rows], v0, plan.temperature, ctx.log_z[rows],
@@ -495,7 +492,8 @@ def _backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                     None if grad_logp is None else grad_logp[rows],
                     None if grad_entropy is None else grad_entropy[rows],
                 )  # fmt: skip
-                _tile_backward(plan, x[rows], block, row_grads, acc, None if dx is None else dx[rows])
+                dx_rows = None if dx is None else dx[rows]
+                acc = _tile_backward(plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype)
             if dw is not None:
                 dw[v0:v1].copy_(acc)
             del acc
@@ -520,11 +518,13 @@ class _RowGrads:
 _FUSED_MODES = ("fp32out", "fp32out-bf16grad")
 
 
-def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, acc, dx_rows) -> None:
+def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bool, acc, dw_dtype):
     """One tile's share of the gradients, in the plan's mode: its logits computed again and
-    turned into the gradient with respect to them, then ``lm_head_gemm``'s backward GEMMs; the
-    input gradient added into the fp32 ``dx_rows``, the weight gradient into the fp32 ``acc``
-    (None: not wanted).
+    turned into the gradient with respect to them, then ``lm_head_gemm``'s backward GEMMs. The
+    input gradient is added into the fp32 ``dx_rows`` (None: not wanted). Returns the weight
+    gradient (None: not wanted): ``acc`` (fp32) with this tile's share added, or, without an
+    ``acc``, this tile's share alone in ``dw_dtype`` (the weight's dtype when it is the
+    block's only tile: rounded once, as lm_head_gemm delivers it).
 
     On CUDA, for the fp32out modes, the fp32 gradient is never stored: one kernel pass takes
     its column maxima (fp32out: the per-column power-of-two scales, ``fp32out._pow2_scale``),
@@ -541,13 +541,15 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, acc, dx_rows) -> Non
     kernels = _triton(tile)
     if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
         grad_tile(tile, *args)
-        part, _ = _backward_gemms(
-            plan.mode, tile, block, xr if acc is not None else None, dx_rows is not None, torch.float32, acc
+        if want_dw and acc is None and dw_dtype == torch.float32:
+            acc = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+        part, dw = _backward_gemms(
+            plan.mode, tile, block, xr if want_dw else None, dx_rows is not None, torch.float32, acc
         )
         if part is not None:
             dx_rows.add_(part)
-        return
-    scaled = plan.mode == "fp32out" and acc is not None
+        return dw
+    scaled = plan.mode == "fp32out" and want_dw
     g16 = scale = plain = None
     if scaled:
         amax = torch.zeros(tile.shape[1], dtype=torch.float32, device=tile.device)
@@ -560,13 +562,18 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, acc, dx_rows) -> Non
     del tile
     if dx_rows is not None:
         _accumulate_product(dx_rows, plain, block)
-    if acc is None:
-        return
+    if not want_dw:
+        return None
     if scaled:
         del plain
-        fp32out._scaled_product((g16.t(), scale.view(-1, 1)), xr, block.dtype, acc)
-    else:
-        _accumulate_product(acc, plain.t(), xr)
+        # without an accumulator, the unscale pass writes the share in dw_dtype (in place on
+        # the fp32 product when that is fp32): nothing to zero, nothing to add
+        out_dtype = torch.float32 if acc is not None else dw_dtype
+        return fp32out._scaled_product((g16.t(), scale.view(-1, 1)), xr, out_dtype, acc)
+    if acc is None:
+        return fp32out.mm(plain.t(), xr).to(dw_dtype)
+    _accumulate_product(acc, plain.t(), xr)
+    return acc
 
 
 # (device type, dtype name) -> whether torch.addmm(..., out_dtype=float32) runs there
