@@ -11,8 +11,8 @@ log-probs). For each tile of ``chunk_rows`` tokens by ``chunk_vocab`` vocabulary
   running statistics in fp32 (an online logsumexp: the maximum, the sum of exponentials, the
   target's logit, and for the entropy the exp-weighted sum of logits). Nothing of the tile is
   kept;
-- backward: the tile's logits are computed again, turned in place into the fp32 gradient
-  with respect to the logits (``grad_logp * (onehot - p) - grad_entropy * p * (log p + H)``,
+- backward: the tile's logits are computed again, turned into the fp32 gradient with
+  respect to the logits (``grad_logp * (onehot - p) - grad_entropy * p * (log p + H)``,
   divided by the temperature), and handed to ``lm_head_gemm``'s backward GEMMs in ``mode``,
   the same code the unfused head runs: the weight gradient of a vocabulary block accumulates
   in fp32 over the tokens (into Megatron's ``main_grad`` when the weight has one and the
@@ -117,15 +117,20 @@ def chunked_logprobs(
     A ``hidden`` of another dtype than the weight (fp32 hidden states from FSDP2's
     ``output_dtype``) is cast to the weight's dtype inside the graph, as the fp32 head does.
     """
-    plan = _plan(hidden, weight, targets, mode, temperature, entropy, tp_group, vocab_start, sequence_parallel)
-    plan = _with_tiles(plan, fuse_wgrad, chunk_rows, chunk_vocab)
+    plan = _plan(
+        hidden, weight, targets, mode, temperature, entropy, tp_group, vocab_start, sequence_parallel,
+        fuse_wgrad, chunk_rows, chunk_vocab,
+    )  # fmt: skip
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     log_probs, ent = _function().apply(hidden, weight, targets, plan)
     return (log_probs, ent) if entropy else log_probs
 
 
-def _plan(hidden, weight, targets, mode, temperature, entropy, group, vocab_start, sequence_parallel) -> _Plan:
+def _plan(
+    hidden, weight, targets, mode, temperature, entropy, group, vocab_start, sequence_parallel, fuse_wgrad,
+    chunk_rows, chunk_vocab,
+) -> _Plan:  # fmt: skip
     """Check the call's arguments (a clear error naming the argument, before any work)."""
     import torch
 
@@ -164,11 +169,7 @@ def _plan(hidden, weight, targets, mode, temperature, entropy, group, vocab_star
         vocab_start = rank * weight.shape[0]
     elif isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"chunked_logprobs: vocab_start must be an int >= 0, not {vocab_start!r}")
-    return _Plan(mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), False, 0, 0)
-
-
-def _with_tiles(plan: _Plan, fuse_wgrad: bool, chunk_rows: int | None, chunk_vocab: int | None) -> _Plan:
-    sizes = {}
+    tiles = []
     for name, value, default in (
         ("chunk_rows", chunk_rows, DEFAULT_CHUNK_ROWS),
         ("chunk_vocab", chunk_vocab, DEFAULT_CHUNK_VOCAB),
@@ -176,8 +177,10 @@ def _with_tiles(plan: _Plan, fuse_wgrad: bool, chunk_rows: int | None, chunk_voc
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"chunked_logprobs: {name} must be an int >= 1, not {value!r}")
-        sizes[name] = value
-    return _Plan(**{**plan.__dict__, "fuse_wgrad": bool(fuse_wgrad), **sizes})
+        tiles.append(value)
+    return _Plan(
+        mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles
+    )
 
 
 def _world_and_rank(group: Any) -> tuple[int, int]:
