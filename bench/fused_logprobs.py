@@ -453,31 +453,57 @@ def _ms(m) -> str:
     return f"{m:.1f}" if isinstance(m, float) else str(m)
 
 
-def table(results: dict) -> str:
-    lines = []
-    for block in results["shapes"]:
-        s = block["shape"]
-        lines.append(f"\nT={s['tokens']} H={s['hidden']} V={s['vocab']}")
-        lines.append(
-            f"{'way':<30}{'logprob ms':>11}{'GiB':>7}{'fwd+bwd ms':>11}{'GiB':>7}"
-            f"{'mean|dlogp|':>12}{'err dx':>9}{'err dW':>9}  dW as"
+def _way_rows(block: dict) -> list[str]:
+    s = block["shape"]
+    rows = [
+        f"\nT={s['tokens']} H={s['hidden']} V={s['vocab']}",
+        f"{'way':<30}{'logprob ms':>11}{'GiB':>7}{'fwd+bwd ms':>11}{'GiB':>7}"
+        f"{'mean|dlogp|':>12}{'err dx':>9}{'err dW':>9}  dW as",
+    ]
+    for name, r in block["ways"].items():
+        e = r["errors"] if isinstance(r["errors"], dict) else {}
+        nan = float("nan")
+        rows.append(
+            f"{name:<30}{_ms(r.get('logprob_ms', '-')):>11}{_gib(r.get('logprob_peak_bytes', '-')):>7}"
+            f"{_ms(r.get('train_ms', '-')):>11}{_gib(r.get('train_peak_bytes', '-')):>7}"
+            f"{e.get('mean_abs_dlogp', nan):>12.2e}{e.get('rel_err_dx', nan):>9.2e}{e.get('rel_err_dw', nan):>9.2e}"
+            f"  {e.get('dw_delivered', r['errors'] if not e else '')}"
         )
-        for name, r in block["ways"].items():
-            e = r["errors"] if isinstance(r["errors"], dict) else {}
-            lines.append(
-                f"{name:<30}{_ms(r.get('logprob_ms', '-')):>11}{_gib(r.get('logprob_peak_bytes', '-')):>7}"
-                f"{_ms(r.get('train_ms', '-')):>11}{_gib(r.get('train_peak_bytes', '-')):>7}"
-                f"{e.get('mean_abs_dlogp', float('nan')):>12.2e}{e.get('rel_err_dx', float('nan')):>9.2e}"
-                f"{e.get('rel_err_dw', float('nan')):>9.2e}  {e.get('dw_delivered', r['errors'] if not e else '')}"
-            )
-        if block["sweep"]:
-            lines.append(f"{'tile rows x vocab':<30}{'logprob ms':>11}{'GiB':>7}{'fwd+bwd ms':>11}{'GiB':>7}")
-            for e in block["sweep"]:
-                lines.append(
-                    f"{str(e['chunk_rows']) + ' x ' + str(e['chunk_vocab']):<30}{_ms(e['logprob_ms']):>11}"
-                    f"{_gib(e['logprob_peak_bytes']):>7}{_ms(e['train_ms']):>11}{_gib(e['train_peak_bytes']):>7}"
-                )
-    return "\n".join(lines)
+    return rows
+
+
+def _sweep_rows(block: dict) -> list[str]:
+    if not block["sweep"]:
+        return []
+    rows = [f"{'tile rows x vocab':<30}{'logprob ms':>11}{'GiB':>7}{'fwd+bwd ms':>11}{'GiB':>7}"]
+    for e in block["sweep"]:
+        tile = f"{e['chunk_rows']} x {e['chunk_vocab']}"
+        rows.append(
+            f"{tile:<30}{_ms(e['logprob_ms']):>11}{_gib(e['logprob_peak_bytes']):>7}"
+            f"{_ms(e['train_ms']):>11}{_gib(e['train_peak_bytes']):>7}"
+        )
+    return rows
+
+
+def table(results: dict) -> str:
+    return "\n".join(line for block in results["shapes"] for line in _way_rows(block) + _sweep_rows(block))
+
+
+def _machine() -> dict:
+    """The device and the versions the numbers depend on (Triton's too: the per-tile kernels)."""
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, memory_mib=props.total_memory // 2**20)
+    else:
+        info["gpu"] = f"none (CPU: {platform.processor() or platform.machine()})"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
 
 
 def main() -> int:
@@ -512,12 +538,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the ways set what they need themselves
     results = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-        },
+        "machine": _machine(),
         "settings": {
             "warmup": args.warmup,
             "iters": args.iters,

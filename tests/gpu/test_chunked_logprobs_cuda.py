@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench import lm_head  # the benchmark's inputs
 from fp32patch.runtime.kernels import fp32out
 from fp32patch.runtime.kernels.chunked_logprobs import RowStats, chunked_logprobs, fold_tile, grad_tile
 from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
@@ -19,13 +20,13 @@ T, H, V = 1000, 1024, 32768
 
 
 def _problem(seed=0, t=T, h=H, v=V):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(v, h, device="cuda", generator=gen) * (6.0 / h**0.5)).bfloat16()
+    """The benchmark's inputs (logits of real models' size), targets sampled from the model, and
+    a per-token upstream gradient."""
+    x, w = lm_head.inputs(t, h, v, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     log_p64 = torch.log_softmax(x.double() @ w.double().t(), -1)
     targets = torch.multinomial(log_p64.exp(), 1, generator=gen)[:, 0]
-    grad = torch.randn(t, device="cuda", generator=gen)
-    return x, w, targets, grad
+    return x, w, targets, torch.randn(t, device="cuda", generator=gen)
 
 
 def _rel(a, b) -> float:
