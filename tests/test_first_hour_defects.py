@@ -86,7 +86,8 @@ def test_verify_names_a_patched_file_without_a_record(unrecorded, cli):
 
 def test_verify_tells_an_edited_unrecorded_file_from_an_exact_one(unrecorded, cli):
     target = unrecorded / NEMOTRON
-    target.write_bytes(target.read_bytes() + b"# edited in the image\n")
+    gate = b"_fp32patch_runtime = _fp32patch_lm_head_runtime()"
+    target.write_bytes(target.read_bytes().replace(gate, b"_fp32patch_runtime = None", 1))  # our code, edited
     code, out = cli.json("verify", "-s", unrecorded)
     assert code == 1
     got = _ours(out)

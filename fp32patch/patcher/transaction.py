@@ -290,6 +290,7 @@ class Transaction:
         except BaseException:
             self._rollback(done, previous, kept_now)
             raise
+        self.state.remove_if_unused(manifest)
         return displaced
 
     def _rollback(
