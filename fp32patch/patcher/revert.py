@@ -39,7 +39,16 @@ from fp32patch.patcher.plan import (
 from fp32patch.patcher.plan import (
     roots as find_roots,
 )
-from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, Invocation, Outcome, Report, UsageError
+from fp32patch.patcher.report import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    Interrupted,
+    Invocation,
+    Outcome,
+    Report,
+    UsageError,
+)
 from fp32patch.patcher.spec import load_specs
 from fp32patch.patcher.state import StateDir, sha256
 from fp32patch.patcher.transaction import Transaction, TransactionError, Write
@@ -98,8 +107,11 @@ def revert(
     outcomes: list[Outcome] = []
     notes: list[str] = []
     refused = False
-    for root, (env, ts) in found.items():
-        done, more, bad = _revert_root(root, env, ts, ids, specs, force, inv, stock)
+    for finished, (root, (env, ts)) in enumerate(found.items()):
+        try:
+            done, more, bad = _revert_root(root, env, ts, ids, specs, force, inv, stock)
+        except Interrupted as stop:
+            return Report("revert", outcomes, EXIT_INTERRUPTED, notes=[*notes, stop.note(finished)])
         outcomes += done
         notes += more
         refused |= bad
@@ -220,6 +232,8 @@ def _revert_root(
             return outcomes, notes, False
     except OSError as exc:
         raise write_error(root, exc) from None
+    except KeyboardInterrupt:
+        raise Interrupted(root, tx.progress) from None
 
 
 def _unrecorded(plan: RootPlan, wanted: list[str], recorded: set[str]) -> list[Target]:
