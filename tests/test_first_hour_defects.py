@@ -37,25 +37,12 @@ def _ours(out: dict) -> dict[str, dict]:
     return {p["id"]: p for p in out["patches"] if p["id"] in VLLM_PATCHES}
 
 
-@pytest.fixture(scope="module")
-def stock(tmp_path_factory) -> Path:
-    """vLLM 0.25.1's two target files and dist-info, laid out as pip installs them."""
-    return import_root_from_members("vllm", "0.25.1", [NEMOTRON, LOGITS_PROCESSOR], tmp_path_factory.mktemp("s") / "sp")
-
-
 @pytest.fixture
-def root(stock, tmp_path) -> Path:
-    dest = tmp_path / "sp"
-    shutil.copytree(stock, dest)
-    return dest
-
-
-@pytest.fixture
-def unrecorded(root, cli, tmp_path) -> Path:
+def unrecorded(vllm_root, cli, tmp_path) -> Path:
     """Patched, then its state folder moved aside (what the manifest-error message advised)."""
-    assert cli("apply", "-s", root).exit_code == 0
-    shutil.move(root / STATE, tmp_path / "state-aside")
-    return root
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    shutil.move(vllm_root / STATE, tmp_path / "state-aside")
+    return vllm_root
 
 
 def _wheel(folder: Path, version: str = "0.25.1") -> Path:
@@ -114,15 +101,15 @@ def test_revert_never_answers_ok_over_an_unrecorded_file(unrecorded, cli, force)
 
 
 @pytest.mark.parametrize("kind", ["wheel", "folder"])
-def test_revert_against_the_release_restores_the_stock_bytes(unrecorded, stock, cli, tmp_path, kind):
-    candidate = _wheel(tmp_path) if kind == "wheel" else stock
+def test_revert_against_the_release_restores_the_stock_bytes(unrecorded, vllm_stock, cli, tmp_path, kind):
+    candidate = _wheel(tmp_path) if kind == "wheel" else vllm_stock
     code, out = cli.json("revert", "-s", unrecorded, "--against", candidate)
     assert code == 0, out
     assert {p["status"] for p in _ours(out).values()} == {"reverted"}
     for rel in (NEMOTRON, LOGITS_PROCESSOR):
-        assert (unrecorded / rel).read_bytes() == (stock / rel).read_bytes()
+        assert (unrecorded / rel).read_bytes() == (vllm_stock / rel).read_bytes()
     record = "vllm-0.25.1.dist-info/RECORD"
-    assert (unrecorded / record).read_bytes() == (stock / record).read_bytes()  # its rows, stock again
+    assert (unrecorded / record).read_bytes() == (vllm_stock / record).read_bytes()  # its rows, stock again
     assert not (unrecorded / STATE).exists()  # nothing of ours stays
     code, out = cli.json("verify", "-s", unrecorded)
     assert {p["status"] for p in _ours(out).values()} == {"not-applied"}
@@ -159,48 +146,48 @@ def test_apply_over_an_unrecorded_file_says_so_and_records_nothing(unrecorded, c
     assert tree_digest(unrecorded) == before
 
 
-def test_the_corrupted_manifest_message_says_what_files_read_as(root, cli, tmp_path):
-    assert cli("apply", "-s", root).exit_code == 0
-    (root / STATE / "manifest.json").write_text("{ truncated")
-    result = cli("verify", "-s", root)
+def test_the_corrupted_manifest_message_says_what_files_read_as(vllm_root, cli, tmp_path):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    (vllm_root / STATE / "manifest.json").write_text("{ truncated")
+    result = cli("verify", "-s", vllm_root)
     assert result.exit_code == 2
     text = _text(result)
     assert "read as unrecorded" in text and "--against" in text
     assert "drifted or not-applied" not in text
     # and following it: the files read as it said
-    shutil.move(root / STATE, tmp_path / "aside")
-    code, out = cli.json("verify", "-s", root)
+    shutil.move(vllm_root / STATE, tmp_path / "aside")
+    code, out = cli.json("verify", "-s", vllm_root)
     assert {p["status"] for p in _ours(out).values()} == {"unrecorded"}
 
 
 # ---------------------------------------------------------------- 2. apply over a hand-edited file
 
 
-def test_apply_over_a_hand_edited_patched_file_says_drifted(root, cli):
-    assert cli("apply", "-s", root).exit_code == 0
-    target = root / NEMOTRON
+def test_apply_over_a_hand_edited_patched_file_says_drifted(vllm_root, cli):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    target = vllm_root / NEMOTRON
     target.write_bytes(target.read_bytes() + b"x = 1\n")
-    before = tree_digest(root)
-    code, out = cli.json("verify", "-s", root)
+    before = tree_digest(vllm_root)
+    code, out = cli.json("verify", "-s", vllm_root)
     assert code == 1 and _ours(out)["nemotron-h-fp32-lm-head"]["status"] == "drifted"
-    result = cli("apply", "-s", root)
+    result = cli("apply", "-s", vllm_root)
     assert result.exit_code != 0
-    code, out = cli.json("apply", "-s", root)
+    code, out = cli.json("apply", "-s", vllm_root)
     assert code == 3 and not out["ok"]
     assert _ours(out)["nemotron-h-fp32-lm-head"]["status"] == "drifted"
     assert "changed after it was patched" in _ours(out)["nemotron-h-fp32-lm-head"]["message"]
-    assert tree_digest(root) == before
+    assert tree_digest(vllm_root) == before
 
 
 # ---------------------------------------------------------------- 4. a failing verify says why
 
 
-def test_a_failing_verify_says_why_and_what_to_run(root, cli):
-    assert cli("apply", "-s", root).exit_code == 0
-    assert cli("revert", "-s", root).exit_code == 0
-    result = cli("verify", "-s", root)
+def test_a_failing_verify_says_why_and_what_to_run(vllm_root, cli):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    assert cli("revert", "-s", vllm_root).exit_code == 0
+    result = cli("verify", "-s", vllm_root)
     assert result.exit_code == 1
-    assert f"2 not applied: run `fp32patch apply -s {root}`" in _text(result)
+    assert f"2 not applied: run `fp32patch apply -s {vllm_root}`" in _text(result)
 
 
 def _venv(path: Path) -> Path:
@@ -215,7 +202,7 @@ def _install(sp: Path, stock: Path) -> None:
         (shutil.copytree if src.is_dir() else shutil.copyfile)(src, sp / rel)
 
 
-def test_totals_count_every_row_and_the_notes_stay_short(stock, tmp_path, cli):
+def test_totals_count_every_row_and_the_notes_stay_short(vllm_stock, tmp_path, cli):
     top = tmp_path / "envs"
     sps = []
     for i in range(30):  # Ray's per-actor environments: two hold vLLM
@@ -226,7 +213,7 @@ def test_totals_count_every_row_and_the_notes_stay_short(stock, tmp_path, cli):
         sp.mkdir(parents=True)
         sps.append(sp)
         if i < 2:
-            _install(sp, stock)
+            _install(sp, vllm_stock)
     assert cli("apply", "--envs", top).exit_code == 0
     assert cli("revert", "-s", sps[0]).exit_code == 0
     result = cli("verify", "--envs", top)
@@ -250,7 +237,7 @@ def test_totals_count_every_row_and_the_notes_stay_short(stock, tmp_path, cli):
 
 
 @pytest.mark.parametrize("kind", ["venv", "conda"])
-def test_site_packages_given_an_environment_folder(stock, tmp_path, cli, kind):
+def test_site_packages_given_an_environment_folder(vllm_stock, tmp_path, cli, kind):
     env = tmp_path / "env"
     if kind == "venv":
         sp = _venv(env)
@@ -258,7 +245,7 @@ def test_site_packages_given_an_environment_folder(stock, tmp_path, cli, kind):
         (env / "conda-meta").mkdir(parents=True)
         sp = env / "lib" / f"python{sysconfig.get_python_version()}" / "site-packages"
         sp.mkdir(parents=True)
-    _install(sp, stock)
+    _install(sp, vllm_stock)
     code, out = cli.json("apply", "-s", env)
     assert code == 0, out
     got = _ours(out)
@@ -268,4 +255,4 @@ def test_site_packages_given_an_environment_folder(stock, tmp_path, cli, kind):
     code, out = cli.json("verify", "-s", env)
     assert code == 0
     assert cli("revert", "-s", env).exit_code == 0
-    assert (sp / NEMOTRON).read_bytes() == (stock / NEMOTRON).read_bytes()
+    assert (sp / NEMOTRON).read_bytes() == (vllm_stock / NEMOTRON).read_bytes()

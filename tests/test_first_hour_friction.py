@@ -36,18 +36,6 @@ def _by_id(out: dict) -> dict[str, dict]:
     return {p["id"]: p for p in out["patches"]}
 
 
-@pytest.fixture(scope="module")
-def stock(tmp_path_factory) -> Path:
-    return import_root_from_members("vllm", "0.25.1", [NEMOTRON, LOGITS_PROCESSOR], tmp_path_factory.mktemp("s") / "sp")
-
-
-@pytest.fixture
-def root(stock, tmp_path) -> Path:
-    dest = tmp_path / "sp"
-    shutil.copytree(stock, dest)
-    return dest
-
-
 def _manifest(root: Path) -> tuple[Path, dict]:
     path = root / STATE / "manifest.json"
     return path, json.loads(path.read_text())
@@ -63,13 +51,13 @@ def _manifest(root: Path) -> tuple[Path, dict]:
         (lambda e: e.update(colour="red"), "entries[0]: unknown field 'colour'"),
     ],
 )
-def test_a_malformed_manifest_entry_is_named_without_internals(root, cli, change, words):
-    assert cli("apply", "-s", root).exit_code == 0
-    path, data = _manifest(root)
+def test_a_malformed_manifest_entry_is_named_without_internals(vllm_root, cli, change, words):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    path, data = _manifest(vllm_root)
     change(data["entries"][0])
     path.write_text(json.dumps(data))
     for command in ("verify", "revert", "apply"):
-        result = cli(command, "-s", root)
+        result = cli(command, "-s", vllm_root)
         assert result.exit_code == 2
         text = _text(result)
         assert words in text
@@ -77,28 +65,28 @@ def test_a_malformed_manifest_entry_is_named_without_internals(root, cli, change
 
 
 @pytest.mark.parametrize("tamper", ["changed", "missing"])
-def test_verify_fails_where_revert_would_refuse(root, stock, cli, tmp_path, tamper):
-    assert cli("apply", "-s", root).exit_code == 0
-    _, data = _manifest(root)
+def test_verify_fails_where_revert_would_refuse(vllm_root, vllm_stock, cli, tmp_path, tamper):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    _, data = _manifest(vllm_root)
     entry = next(e for e in data["entries"] if e["patch"] == NEMOTRON_ID)
-    kept = root / STATE / "originals" / entry["sha256_before"]
+    kept = vllm_root / STATE / "originals" / entry["sha256_before"]
     if tamper == "changed":
         kept.write_bytes(kept.read_bytes() + b"# planted\n")
     else:
         kept.unlink()
-    result = cli("verify", "-s", root)
+    result = cli("verify", "-s", vllm_root)
     assert result.exit_code == 1
-    code, out = cli.json("verify", "-s", root)
+    code, out = cli.json("verify", "-s", vllm_root)
     got = _by_id(out)[NEMOTRON_ID]
     assert got["status"] == "original-lost" and "revert would refuse" in got["message"]
     assert "--against" in got["message"]
     assert _by_id(out)[LOGITS_ID]["status"] == "applied"
-    assert cli("revert", "-s", root).exit_code == 3  # as verify said
+    assert cli("revert", "-s", vllm_root).exit_code == 3  # as verify said
     # the release's own file has the recorded sha256: it stands in for the kept original
-    code, out = cli.json("revert", "-s", root, "--against", stock)
+    code, out = cli.json("revert", "-s", vllm_root, "--against", vllm_stock)
     assert code == 0, out
     for rel in (NEMOTRON, LOGITS_PROCESSOR):
-        assert (root / rel).read_bytes() == (stock / rel).read_bytes()
+        assert (vllm_root / rel).read_bytes() == (vllm_stock / rel).read_bytes()
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -107,23 +95,23 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("at", [1, 3, 5, 8, 11])
-def test_ctrl_c_says_the_run_rolled_back(root, tmp_path, at):
-    before = tree_digest(root)
-    result = _run("apply", "-s", str(root), FP32PATCH_CRASH_AT=str(at), FP32PATCH_CRASH_SIGNAL="INT")
+def test_ctrl_c_says_the_run_rolled_back(vllm_root, tmp_path, at):
+    before = tree_digest(vllm_root)
+    result = _run("apply", "-s", str(vllm_root), FP32PATCH_CRASH_AT=str(at), FP32PATCH_CRASH_SIGNAL="INT")
     assert result.returncode == 130
-    assert f"interrupted (Ctrl-C) while writing {root}: rolled back" in " ".join(result.stderr.split())
+    assert f"interrupted (Ctrl-C) while writing {vllm_root}: rolled back" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
-    assert tree_digest(root) == before  # every byte as it was, and no state folder left
-    assert _run("apply", "-s", str(root)).returncode == 0  # and nothing stands in the way of the next run
+    assert tree_digest(vllm_root) == before  # every byte as it was, and no state folder left
+    assert _run("apply", "-s", str(vllm_root)).returncode == 0  # and nothing stands in the way of the next run
 
 
-def test_ctrl_c_of_a_revert_keeps_the_patched_root_whole(root, tmp_path):
-    assert _run("apply", "-s", str(root)).returncode == 0
-    before = tree_digest(root)
-    result = _run("revert", "-s", str(root), FP32PATCH_CRASH_AT="4", FP32PATCH_CRASH_SIGNAL="INT")
+def test_ctrl_c_of_a_revert_keeps_the_patched_root_whole(vllm_root, tmp_path):
+    assert _run("apply", "-s", str(vllm_root)).returncode == 0
+    before = tree_digest(vllm_root)
+    result = _run("revert", "-s", str(vllm_root), FP32PATCH_CRASH_AT="4", FP32PATCH_CRASH_SIGNAL="INT")
     assert result.returncode == 130 and "rolled back" in result.stderr
-    assert tree_digest(root) == before
-    assert _run("verify", "-s", str(root)).returncode == 0
+    assert tree_digest(vllm_root) == before
+    assert _run("verify", "-s", str(vllm_root)).returncode == 0
 
 
 # ---------------------------------------------------------------- help and docs
@@ -139,29 +127,29 @@ def test_help_and_the_package_description_name_every_stack(cli):
     assert all(stack in description for stack in ("vLLM", "NeMo-RL", "verl"))
 
 
-def test_diff_json_carries_the_diff(root, cli):
-    plain = cli("diff", "-s", root, "--patch", NEMOTRON_ID).stdout
-    code, out = cli.json("diff", "-s", root, "--patch", NEMOTRON_ID)
+def test_diff_json_carries_the_diff(vllm_root, cli):
+    plain = cli("diff", "-s", vllm_root, "--patch", NEMOTRON_ID).stdout
+    code, out = cli.json("diff", "-s", vllm_root, "--patch", NEMOTRON_ID)
     assert code == 0
     [entry] = out["patches"]
     assert entry["status"] == "not-applied" and entry["diff"] == plain
     assert entry["diff"].startswith(f"--- a/{NEMOTRON}\n+++ b/{NEMOTRON}\n")
-    assert cli("apply", "-s", root).exit_code == 0
-    code, out = cli.json("diff", "-s", root, "--patch", NEMOTRON_ID)  # the change it made, from the kept original
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    code, out = cli.json("diff", "-s", vllm_root, "--patch", NEMOTRON_ID)  # the change it made, from the kept original
     assert out["patches"][0]["status"] == "applied" and out["patches"][0]["diff"] == plain
 
 
 # ---------------------------------------------------------------- noise
 
 
-def test_piped_tables_are_plain_columns(root):
-    for args in (["status", "-s", str(root)], ["list"], ["ops"]):
+def test_piped_tables_are_plain_columns(vllm_root):
+    for args in (["status", "-s", str(vllm_root)], ["list"], ["ops"]):
         result = _run(*args)
         assert result.returncode == 0
         lines = result.stdout.splitlines()
         assert not any(ch in result.stdout for ch in "━┃│╇─"), args
         assert all(line == line.rstrip() for line in lines), args
-    header, *rows = _run("status", "-s", str(root)).stdout.splitlines()
+    header, *rows = _run("status", "-s", str(vllm_root)).stdout.splitlines()
     assert header.split() == ["patch", "status", "version", "file"]
     assert max(map(len, [header, *rows])) < 200  # as wide as its cells, not a fixed width
 
@@ -180,25 +168,25 @@ def test_the_wheel_builds_without_setuptools_license_banner(tmp_path):
         assert "License-Expression: Apache-2.0" in archive.read(meta).decode()
 
 
-def test_a_full_revert_leaves_no_state_folder(root, stock, cli):
-    assert cli("apply", "-s", root).exit_code == 0
-    assert (root / STATE / "manifest.json").is_file()
-    assert cli("revert", "-s", root, "--patch", NEMOTRON_ID).exit_code == 0
-    assert (root / STATE / "manifest.json").is_file()  # the other patch is still recorded
-    assert cli("revert", "-s", root).exit_code == 0
-    assert not (root / STATE).exists()
-    assert tree_digest(root) == tree_digest(stock)
+def test_a_full_revert_leaves_no_state_folder(vllm_root, vllm_stock, cli):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    assert (vllm_root / STATE / "manifest.json").is_file()
+    assert cli("revert", "-s", vllm_root, "--patch", NEMOTRON_ID).exit_code == 0
+    assert (vllm_root / STATE / "manifest.json").is_file()  # the other patch is still recorded
+    assert cli("revert", "-s", vllm_root).exit_code == 0
+    assert not (vllm_root / STATE).exists()
+    assert tree_digest(vllm_root) == tree_digest(vllm_stock)
 
 
-def test_a_forced_revert_keeps_the_displaced_bytes(root, cli):
-    assert cli("apply", "-s", root).exit_code == 0
-    target = root / NEMOTRON
+def test_a_forced_revert_keeps_the_displaced_bytes(vllm_root, cli):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    target = vllm_root / NEMOTRON
     edited = target.read_bytes() + b"# hand edit\n"
     target.write_bytes(edited)
-    assert cli("revert", "-s", root, "--force").exit_code == 0
-    kept = list((root / STATE / "displaced").iterdir())
+    assert cli("revert", "-s", vllm_root, "--force").exit_code == 0
+    kept = list((vllm_root / STATE / "displaced").iterdir())
     assert [p.read_bytes() for p in kept] == [edited]  # the user's bytes stay, so the folder does
-    assert not (root / STATE / "manifest.json").exists() and not (root / STATE / "originals").exists()
+    assert not (vllm_root / STATE / "manifest.json").exists() and not (vllm_root / STATE / "originals").exists()
 
 
 # ---------------------------------------------------------------- versions

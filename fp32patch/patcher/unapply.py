@@ -87,19 +87,18 @@ class _Strip(cst.CSTTransformer):
     def leave_Module(self, original_node, updated_node):
         return updated_node.with_changes(body=self._strip(updated_node.body))
 
-    def leave_IndentedBlock(self, original_node, updated_node):
-        body = self._strip(updated_node.body)
-        if not body:
+    def _nonempty(self, node: cst.CSTNode, field: str) -> cst.CSTNode:
+        kept = self._strip(getattr(node, field))
+        if not kept:  # a block or a try left empty was never what an insertion went into
             self.failed = True
-            return updated_node
-        return updated_node.with_changes(body=body)
+            return node
+        return node.with_changes(**{field: kept})
+
+    def leave_IndentedBlock(self, original_node, updated_node):
+        return self._nonempty(updated_node, "body")
 
     def leave_Try(self, original_node, updated_node):
-        handlers = self._strip(updated_node.handlers)
-        if not handlers:
-            self.failed = True
-            return updated_node
-        return updated_node.with_changes(handlers=handlers)
+        return self._nonempty(updated_node, "handlers")
 
 
 def strip(specs: Sequence[Spec], files: Mapping[str, bytes | None]) -> dict[str, bytes | None] | None:
