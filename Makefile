@@ -1,4 +1,5 @@
-# Every target works from a fresh clone. `make install` builds .venv; `make test` also
+# Every target works from a fresh clone. `make install` builds .venv (torch's CPU build: see
+# tools/cpu_torch.py); `make dist` builds the wheel and the sdist into dist/; `make test` also
 # builds the heavy test environments (whole vLLM releases, megatron-core, transformers, verl) under
 # $(FP32PATCH_TEST_CACHE), outside the repository, and reuses them on later runs.
 PY ?= python3
@@ -7,6 +8,9 @@ VPY := $(VENV)/bin/python
 export FP32PATCH_TEST_CACHE ?= $(HOME)/.cache/fp32patch-tests
 # <test environment>:<suite under tests/heavy>: each suite runs under that environment's Python
 HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm megatron:megatron transformers:transformers verl-0.9.1:verl verl-0.7.1:verl
+# torch for the runtime's tests, and where its CPU build comes from (empty: pip's configured indexes only)
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # pytest-xdist workers for every suite (CI's machine has 2 cores); JOBS=0 runs in one process
 JOBS ?= 2
 # bench/ may not exist yet; ruff refuses a missing path
@@ -17,16 +21,24 @@ LOWEST_TESTS ?= tests/test_engine_v2.py tests/test_spec.py tests/test_ops.py tes
   tests/test_check.py tests/test_bad_input.py tests/test_locate.py tests/test_transform_skip_when.py \
   tests/test_context_length_patch.py tests/test_many_envs.py
 
-.PHONY: install test test-fast test-heavy test-lowest demo bench lint clean
+.PHONY: install dist test test-fast test-heavy test-lowest demo bench lint clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tools/cpu_torch.py
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) tools/cpu_torch.py '$(TORCH)' --index '$(TORCH_INDEX)'
 	$(VPY) -m pip install -q -e '.[test,lint]'
 	touch $@
+
+# The wheel and the sdist, built from the sdist in a throwaway environment (no .venv, no torch)
+dist:
+	$(PY) -m venv build/dist-env
+	build/dist-env/bin/python -m pip install -q build
+	rm -rf dist
+	build/dist-env/bin/python -m build --outdir dist .
+	@ls dist
 
 test: test-fast test-heavy test-lowest
 

@@ -19,14 +19,16 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fp32patch import __version__
 from fp32patch.patcher.model import Status
-from fp32patch.patcher.report import EXIT_USAGE, Outcome, Report, UsageError
+from fp32patch.patcher.report import EXIT_INTERRUPTED, EXIT_USAGE, Outcome, Report, UsageError
 
 app = typer.Typer(
     name="fp32patch",
-    help="Patch vLLM and NeMo-RL sources so both engines compute the LM head in fp32.",
+    help="fp32 LM-head logits in both engines of RL training: patches vLLM, NeMo-RL and verl at image-build time "
+    "(apply, verify in CI, revert), so the generation engine and the trainer compute the LM head in fp32 from one switch.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -51,10 +53,40 @@ def _flags_take_no_value() -> None:
 _flags_take_no_value()
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
-# Piped output is read by people in CI logs and by tools: give tables room, keep diffs raw.
-for _console in (out, err):
-    if not _console.is_terminal:
-        _console.width = 200
+
+
+class Grid:
+    """A table: rich's on a terminal; piped (CI logs, grep), plain columns as wide as their cells,
+    with no box characters, no padding to a width and no folding."""
+
+    def __init__(self, *columns: str):
+        self.columns = list(columns)
+        self.rows: list[tuple[list[str], bool]] = []
+
+    def add_row(self, *cells: str, end_section: bool = False) -> None:
+        self.rows.append((list(cells), end_section))
+
+    def print(self, console: Console) -> None:
+        if console.is_terminal:
+            table = Table(show_edge=False, pad_edge=False)
+            for column in self.columns:
+                table.add_column(column, overflow="fold")
+            for cells, end_section in self.rows:
+                table.add_row(*cells, end_section=end_section)
+            console.print(table)
+            return
+        lines = [self.columns] + [[Text.from_markup(c).plain for c in cells] for cells, _ in self.rows]
+        widths = [
+            max(len(line) for cell in column for line in cell.splitlines() or [""])
+            for column in zip(*lines, strict=True)
+        ]
+        for cells in lines:
+            split = [cell.splitlines() or [""] for cell in cells]
+            for i in range(max(map(len, split))):
+                row = [(part[i] if i < len(part) else "").ljust(w) for part, w in zip(split, widths, strict=True)]
+                console.file.write("  ".join(row).rstrip() + "\n")
+        console.file.flush()
+
 
 SitePackages = Annotated[
     list[Path] | None,
@@ -145,29 +177,32 @@ def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: lis
         if bases:
             table.print("environments under " + ", ".join(map(str, bases)), soft_wrap=True)
         if report.outcomes:
-            table.print(_table(report.outcomes, bases))
+            _table(report.outcomes, bases).print(table)
         roots = report.by_root()
         if len(roots) > 1:  # many environments: the totals, so a long table need not be read to the end
             totals: dict[str, int] = {}
-            for o in report.outcomes:
-                totals[o.status] = totals.get(o.status, 0) + 1
-            table.print(f"{len(roots)} import roots: " + ", ".join(f"{n} {s}" for s, n in totals.items()))
+            for row in roots:  # a folded not-installed row counts once per root it stands for
+                for status_, n in row["statuses"].items():
+                    totals[status_] = totals.get(status_, 0) + n
+            table.print(
+                f"{len(roots)} import roots: " + ", ".join(f"{n} {s}" for s, n in totals.items()), soft_wrap=True
+            )
         for o in report.outcomes:
             # quiet statuses speak up when they are the problem (check: the file is gone upstream)
             loud = (
                 o.status not in _QUIET
                 or o.details.get("interrupted")
-                or (o.status == Status.NOT_INSTALLED and not report.ok)
+                or (o.status == Status.NOT_INSTALLED and not report.ok and not o.env)
             )
             if o.message and loud:
-                where = f" in {o.root}" if len(roots) > 1 else ""
+                where = f" in {o.root}" if len(roots) > 1 and os.pathsep not in o.root else ""
                 (table if o.status in _GOOD else err).print(
                     f"[bold]{o.patch}[/] ({o.status}){where}: {o.message}", soft_wrap=True
                 )
             if show_diff and o.diff:
                 _print_diff(o.diff)
         for note in report.notes:
-            err.print(note)
+            err.print(note, soft_wrap=True)
     raise typer.Exit(report.exit_code)
 
 
@@ -181,15 +216,13 @@ def _label(o: Outcome, bases: list[Path]) -> str:
     return o.env or o.root
 
 
-def _table(outcomes: list[Outcome], bases: list[Path]) -> Table:
+def _table(outcomes: list[Outcome], bases: list[Path]) -> Grid:
     """One row per patch and root; with several roots, grouped by root, file paths relative to it."""
     roots = list(dict.fromkeys(o.root for o in outcomes))
     grouped = len(roots) > 1
-    table = Table(show_edge=False, pad_edge=False)
     # an environment found by --envs is named by its folder (its site-packages is in --json)
     first = "environment" if grouped and all(o.env or os.pathsep in o.root for o in outcomes) else "root"
-    for column in ([first] if grouped else []) + ["patch", "status", "version", "file"]:
-        table.add_column(column, overflow="fold")
+    table = Grid(*([first] if grouped else []), "patch", "status", "version", "file")
     for root in roots:
         rows = [o for o in outcomes if o.root == root]
         for i, o in enumerate(rows):
@@ -208,6 +241,9 @@ def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) ->
 
     try:
         report = fn(*args, **kwargs)
+    except KeyboardInterrupt:  # a writer reports its own interruption; this one came while none was writing
+        err.print(f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}", soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except (UsageError, SpecError) as exc:
         if as_json:
             print(json.dumps({"ok": False, "error": str(exc), "patches": []}, indent=2))
@@ -280,6 +316,16 @@ def revert(
     force: Annotated[
         bool, typer.Option("--force", help="Also revert files changed since patching (their bytes are kept).")
     ] = False,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            "--against",
+            help="The installed release's wheel, sdist or folder: restores the stock bytes of files patched with no "
+            "record (state folder lost), and stands in for a lost kept original; only bytes it can prove.",
+            show_default=False,
+            metavar="WHEEL|SDIST|DIR",
+        ),
+    ] = None,
     as_json: Json = False,
     specs: Specs = None,
 ) -> None:
@@ -287,7 +333,14 @@ def revert(
     from fp32patch.patcher.revert import revert as revert_patches
 
     _run(
-        revert_patches, patch or [], site_packages or [], force=force, spec_dir=specs, envs=envs or [], as_json=as_json
+        revert_patches,
+        patch or [],
+        site_packages or [],
+        force=force,
+        spec_dir=specs,
+        envs=envs or [],
+        against=against,
+        as_json=as_json,
     )
 
 
@@ -328,12 +381,15 @@ def check(
 
 
 @app.command(name="list")
-def list_(as_json: Json = False, specs: Specs = None) -> None:
-    """List the patches this fp32patch carries."""
-    from fp32patch.patcher.plan import select_specs
+def list_(site_packages: SitePackages = None, envs: Envs = None, as_json: Json = False, specs: Specs = None) -> None:
+    """List the patches this fp32patch carries, and the release of each installed in the import roots."""
+    from rich.markup import escape
+
+    from fp32patch.patcher.plan import installed, select_specs
 
     try:
         loaded = select_specs([], specs)
+        where = installed(loaded, site_packages or [], envs or [])
     except UsageError as exc:
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
@@ -347,18 +403,24 @@ def list_(as_json: Json = False, specs: Specs = None) -> None:
                 "versions": str(s.target.versions),
                 "variants": [{"name": v.name, "versions": str(v.versions)} for v in s.variants],
                 "sha256": s.sha256,
+                "installed": where[s.id],
             }
             for s in loaded
         ]
         print(json.dumps({"ok": True, "patches": rows}, indent=2))
         return
-    table = Table(show_edge=False, pad_edge=False)
-    for column in ("patch", "target", "versions", "summary"):
-        table.add_column(column, overflow="fold")
+    table = Grid("patch", "target", "versions", "installed", "summary")
     for s in loaded:
         files = "\n".join(s.target.paths)
-        table.add_row(s.id, f"{s.target.distribution}:{files}", str(s.target.versions) or "any", s.summary)
-    out.print(table)
+        here = "\n".join(
+            f"{i['distribution']} {i['version'] or '(version unknown)'}"
+            + (f" ({i['variant']})" if i["variant"] else "")
+            for i in where[s.id]
+        )
+        table.add_row(
+            s.id, f"{s.target.distribution}:{files}", str(s.target.versions) or "any", here or "-", escape(s.summary)
+        )
+    table.print(out)
 
 
 @app.command()
@@ -376,19 +438,15 @@ def ops(as_json: Json = False) -> None:
         ]
         print(json.dumps({"ok": True, "operations": rows, "fields": EDIT_FIELDS}, indent=2))
         return
-    table = Table(show_edge=False, pad_edge=False)
-    for column in ("operation", "what it does", "anchor fields"):
-        table.add_column(column, overflow="fold")
+    table = Grid("operation", "what it does", "anchor fields")
     for op in OPERATIONS.values():
-        table.add_row(op.name, op.description, ", ".join(op.fields) or "-")
-    out.print(table)
-    out.print(f"\nEvery edit has: {', '.join(common)}.\n")
-    fields = Table(show_edge=False, pad_edge=False)
-    for column in ("field", "meaning"):
-        fields.add_column(column, overflow="fold")
+        table.add_row(op.name, escape(op.description), ", ".join(op.fields) or "-")
+    table.print(out)
+    out.print(f"\nEvery edit has: {', '.join(common)}.\n", soft_wrap=True)
+    fields = Grid("field", "meaning")
     for name, meaning in EDIT_FIELDS.items():
         fields.add_row(name, escape(meaning))
-    out.print(fields)
+    fields.print(out)
 
 
 def _version(value: bool) -> None:
@@ -403,12 +461,12 @@ def _main(
         bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = None,
 ) -> None:
-    """fp32patch: fp32 LM-head logits for NeMo-RL, patched in at image-build time."""
+    """fp32 LM-head logits for vLLM, NeMo-RL and verl, patched in at image-build time."""
 
 
 def main() -> None:
     try:
         app()
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+    except KeyboardInterrupt:  # typer turns most into exit 130 itself: this is Ctrl-C outside a command
+        err.print(f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}", soft_wrap=True)
+        sys.exit(EXIT_INTERRUPTED)

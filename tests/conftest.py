@@ -40,6 +40,24 @@ def cli() -> Cli:
     return Cli()
 
 
+@pytest.fixture(scope="session")
+def vllm_stock(tmp_path_factory) -> Path:
+    """vLLM 0.25.1's two target files and its dist-info from its wheel, as pip lays them out (never written)."""
+    from tests.support.pypi import import_root_from_members
+
+    return import_root_from_members("vllm", "0.25.1", [NEMOTRON, LOGITS_PROCESSOR], tmp_path_factory.mktemp("s") / "sp")
+
+
+@pytest.fixture
+def vllm_root(vllm_stock, tmp_path) -> Path:
+    """A copy of ``vllm_stock`` for one test to change."""
+    import shutil
+
+    dest = tmp_path / "sp"
+    shutil.copytree(vllm_stock, dest)
+    return dest
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (symlinks by target), for "nothing changed" checks."""
     out = {}

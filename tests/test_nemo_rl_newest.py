@@ -73,14 +73,14 @@ def _vllm_on(**cfg: Any) -> dict:
 
 
 def _megatron_yaml() -> dict:
-    """The README's YAML for a Megatron policy."""
+    """docs/nemo-rl.md's YAML for a Megatron policy."""
     cfg = policy_cfg(True)
     cfg["generation"] = _vllm_on()
     return cfg
 
 
 def _dtensor_yaml() -> dict:
-    """The README's YAML for a DTensor policy."""
+    """docs/nemo-rl.md's YAML for a DTensor policy."""
     return dtensor_policy_cfg("fp32out", generation=_vllm_on())
 
 
@@ -331,7 +331,7 @@ def _assert_apply_refuses_nemo_rls_edit(root: Path) -> None:
 @pytest.mark.network
 def test_the_first_heads_worker_start_leaves_a_file_fp32patch_manages_alone(monkeypatch, tmp_path):
     """NeMo-RL's first head (2026-08-31 to the rework), where the NeMo-RL patch refuses and the
-    README says to apply the vLLM patches alone: its worker-start edit skips a nemotron_h.py that
+    docs/nemo-rl.md says to apply the vLLM patches alone: its worker-start edit skips a nemotron_h.py that
     names the variable, which fp32patch's gate does, so ``verify`` stays green after a run."""
     from tests.fixtures import nemo_rl_first_head as first
 

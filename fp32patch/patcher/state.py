@@ -68,19 +68,55 @@ class StateDir:
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """An exclusive lock on this root, held across read-compute-write."""
-        self.ensure()
+        fd = self._locked_fd()
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise TransactionError(errno.ELOOP, f"{self.lock_path} is a symbolic link; refusing it") from None
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    def _locked_fd(self) -> int:
+        # A full revert removes the state folder, lock included, while it holds the lock: a process
+        # that was waiting then holds a lock file nobody else can open, so it takes the new one.
+        while True:
+            self.ensure()
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            except FileNotFoundError:
+                continue  # the folder was removed between ensure() and open()
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise TransactionError(errno.ELOOP, f"{self.lock_path} is a symbolic link; refusing it") from None
+                raise
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.lstat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def remove_if_unused(self, manifest: mf.Manifest) -> None:
+        """Remove the state folder once nothing of ours is patched here: its kept originals, the empty
+        manifest and the lock (call under the lock). Displaced bytes a forced revert kept are the
+        user's: with them, the folder stays."""
+        if manifest.entries or manifest.intents:
+            return
+        with contextlib.suppress(FileNotFoundError, TransactionError):
+            if self.real_dir(self.originals):
+                for kept in os.scandir(self.originals):
+                    if kept.is_file(follow_symlinks=False):
+                        os.unlink(kept.path)
+        for path, remove in (
+            (self.originals, os.rmdir),
+            (self.manifest_path, os.unlink),
+            (self.lock_path, os.unlink),
+            (self.path, os.rmdir),  # not when it still holds something: displaced bytes, say
+        ):
+            with contextlib.suppress(OSError):
+                remove(path)
 
     def load(self) -> mf.Manifest:
         try:

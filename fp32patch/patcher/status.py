@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
+from fp32patch.patcher import unrecorded
 from fp32patch.patcher.markers import markers_in
 from fp32patch.patcher.model import VERIFY_OK, Status
 from fp32patch.patcher.plan import (
@@ -24,8 +25,17 @@ from fp32patch.patcher.plan import (
     select_specs,
     targets,
 )
-from fp32patch.patcher.report import EXIT_OK, EXIT_VERIFY, Invocation, Outcome, Report, fold_not_installed
+from fp32patch.patcher.report import (
+    EXIT_OK,
+    EXIT_VERIFY,
+    Invocation,
+    Outcome,
+    Report,
+    fold_not_installed,
+    why_verify_failed,
+)
 from fp32patch.patcher.state import StateDir, sha256
+from fp32patch.patcher.transaction import TransactionError
 
 
 def _interrupted(plan: RootPlan, t: Target) -> str | None:
@@ -94,6 +104,11 @@ def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
                 f"`{inv.command('apply', patch=spec.id)}`"
             )
             return t.outcome(Status.OUTDATED, variant=lead.variant, details=details, message=message)
+        lost = _lost_original(plan, entries.values(), t, inv)
+        if lost:
+            return t.outcome(
+                Status.ORIGINAL_LOST, variant=lead.variant if lead else None, details=details, message=lost
+            )
         return t.outcome(Status.APPLIED, variant=lead.variant if lead else None, details=details)
     drifted = [p for p, v in verdicts.items() if v == "drifted"]
     if drifted:
@@ -105,8 +120,7 @@ def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
     results, _ = plan.chain([spec])
     result = results[spec.id]
     if result.status == Status.ALREADY_APPLIED:
-        note = "applied, but no record of it in this root's manifest: hashes cannot be checked"
-        return t.outcome(Status.APPLIED, details=details, message=note)
+        return unrecorded.verdict(plan, t, inv, details)
     if result.status in (Status.OBSOLETE, Status.UNSUPPORTED):
         return t.outcome(result.status, details=details, message=result.message)
     if result.status == Status.PARTIALLY_APPLIED:
@@ -116,6 +130,22 @@ def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
         message = f"the file was replaced since it was patched (reinstalled or upgraded?) {message}".strip()
     details["applicable"] = result.ok
     return t.outcome(Status.NOT_APPLIED, details=details, message=message)
+
+
+def _lost_original(plan: RootPlan, entries, t: Target, inv: Invocation) -> str:
+    """Why a revert would refuse (a kept original missing or altered), or ""."""
+    state = StateDir(plan.root)
+    for e in entries:
+        if e.sha256_before == e.sha256_after:
+            continue
+        try:
+            state.original(e.sha256_before)
+        except TransactionError as exc:
+            return (
+                f"applied, but revert would refuse: {exc.strerror}. To restore the stock file, "
+                f"{unrecorded.way_back(t, inv)}"
+            )
+    return ""
 
 
 def _file_verdict(data: bytes | None, entry: mf.Entry, spec_id: str) -> str:
@@ -155,7 +185,7 @@ def status(
     envs: Sequence[Path] = (),
 ) -> Report:
     """Each patch's state in each root. ``verify`` fails (exit 1) unless all are good."""
-    inv = Invocation(tuple(roots), tuple(envs), spec_dir)
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
     specs = select_specs(ids, spec_dir)
     ts = targets(specs, roots, envs)
     outcomes: list[Outcome] = [t.not_installed() for t in ts if t.located is None]
@@ -183,5 +213,6 @@ def status(
     ]
     if all(o.status == Status.NOT_INSTALLED for o in outcomes):
         bad = outcomes  # nothing found anywhere is a problem, not a pass
-    code = EXIT_VERIFY if (command == "verify" and bad) else EXIT_OK
-    return Report(command, outcomes, code)
+    if command != "verify" or not bad:
+        return Report(command, outcomes, EXIT_OK)
+    return Report(command, outcomes, EXIT_VERIFY, notes=why_verify_failed(bad, inv))

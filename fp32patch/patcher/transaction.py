@@ -72,6 +72,8 @@ class Transaction:
     def __init__(self, root: Path):
         self.root = root
         self.state = StateDir(root)
+        # how far ``commit`` got, for a run cut short (Ctrl-C): "none", "writing", "rolled-back", "done"
+        self.progress = "none"
 
     # -- paths: every file written or read back must be inside the root
 
@@ -114,6 +116,14 @@ class Transaction:
                 raise TransactionError(errno.EACCES, f"{folder}: permission denied (uid {os.geteuid()})")
 
     # -- RECORD
+
+    def _record_now(self, record_rel: str | None) -> bytes | None:
+        """The RECORD's bytes as they are (None: no RECORD), to put back on a rollback."""
+        record = self._record(record_rel)
+        try:
+            return read_no_follow(record) if record is not None else None
+        except FileNotFoundError:
+            return None
 
     def _sync_record(self, record_rel: str | None, relpath: str, data: bytes) -> bytes | None:
         """Set ``relpath``'s RECORD row to ``data``; returns the RECORD's previous bytes (None: untouched)."""
@@ -253,33 +263,36 @@ class Transaction:
             planned.append((w, path))
 
         previous = self.state.raw_manifest()
-        displaced = [self.state.displace(w.before) for w in writes if w.displace]
-        kept_now: list[str] = []
-        for w in writes:  # 1. every original is kept before anything changes
-            if w.keep is not None:
-                digest, stored = self.state.keep(w.keep)
-                if stored:
-                    kept_now.append(digest)
-        step()
-        for w in writes:  # 2. intent: the file's bytes before and after, its entries before and after
-            manifest.intents.append(
-                mf.Intent(w.relpath, sha256(w.before), sha256(w.after), [copy.copy(e) for e in manifest.on(w.relpath)])
-            )
-            for entry in w.entries:
-                entry.state = mf.PENDING
-            manifest.replace_path(w.relpath, w.entries)
-        self.state.save(manifest)
-        step()
-
+        self.progress = "writing"
         done: list[tuple[Write, Path, os.stat_result, bytes | None]] = []
-        try:
+        kept_now: list[str] = []
+        try:  # from here on, any failure (Ctrl-C included) puts back what was changed
+            displaced = [self.state.displace(w.before) for w in writes if w.displace]
+            for w in writes:  # 1. every original is kept before anything changes
+                if w.keep is not None:
+                    digest, stored = self.state.keep(w.keep)
+                    if stored:
+                        kept_now.append(digest)
+            step()
+            for w in writes:  # 2. intent: the file's bytes before and after, its entries before and after
+                manifest.intents.append(
+                    mf.Intent(
+                        w.relpath, sha256(w.before), sha256(w.after), [copy.copy(e) for e in manifest.on(w.relpath)]
+                    )
+                )
+                for entry in w.entries:
+                    entry.state = mf.PENDING
+                manifest.replace_path(w.relpath, w.entries)
+            self.state.save(manifest)
+            step()
             for w, path in planned:  # 3. the files themselves
                 if w.after == w.before:
                     continue
                 st = path.stat()
+                # noted before the write: a Ctrl-C just after the replace must still put the file back
+                done.append((w, path, st, self._record_now(w.record)))
                 atomic_write(path, w.after, like=st)
-                done.append((w, path, st, None))  # from here on, a failure must put the file back
-                done[-1] = (w, path, st, self._sync_record(w.record, w.relpath, w.after))
+                self._sync_record(w.record, w.relpath, w.after)
                 refresh_bytecode(path)
                 step()
             for w in writes:  # 4. settle the record (a failure here still undoes the files)
@@ -289,7 +302,10 @@ class Transaction:
             self.state.save(manifest)
         except BaseException:
             self._rollback(done, previous, kept_now)
+            self.progress = "rolled-back"
             raise
+        self.progress = "done"
+        self.state.remove_if_unused(manifest)
         return displaced
 
     def _rollback(
@@ -315,3 +331,5 @@ class Transaction:
         self.state.restore_manifest(previous)
         for digest in kept:  # stored by this transaction, referenced by nothing now
             self.state.forget(digest)
+        if previous is None:  # the state folder was made for this run: nothing of ours stays
+            self.state.remove_if_unused(mf.Manifest())
