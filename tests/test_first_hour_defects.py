@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,25 @@ def test_revert_against_another_release_refuses(unrecorded, cli, tmp_path):
     assert code == 3
     assert "vllm 0.33.0" in _ours(out)["nemotron-h-fp32-lm-head"]["message"]
     assert tree_digest(unrecorded) == before
+
+
+def test_a_root_with_one_patch_recorded_and_one_not_reverts_both_or_neither(vllm_root, vllm_stock, cli, tmp_path):
+    assert cli("apply", "-s", vllm_root).exit_code == 0
+    manifest = vllm_root / STATE / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["entries"] = [e for e in data["entries"] if e["patch"] != "vllm-fp32-logits"]  # its record lost
+    manifest.write_text(json.dumps(data))
+    before = tree_digest(vllm_root)
+    code, out = cli.json("revert", "-s", vllm_root)
+    assert code == 3
+    got = _ours(out)
+    assert got["vllm-fp32-logits"]["status"] == "unrecorded"
+    assert got["nemotron-h-fp32-lm-head"]["status"] == "applied"
+    assert "not reverted" in got["nemotron-h-fp32-lm-head"]["message"]
+    assert tree_digest(vllm_root) == before
+    code, out = cli.json("revert", "-s", vllm_root, "--against", _wheel(tmp_path))
+    assert code == 0 and {p["status"] for p in _ours(out).values()} == {"reverted"}
+    assert tree_digest(vllm_root) == tree_digest(vllm_stock)
 
 
 def test_apply_over_an_unrecorded_file_says_so_and_records_nothing(unrecorded, cli):

@@ -184,17 +184,18 @@ def _revert_root(
     # an interrupted run's entries wait in its intents until the run is settled
     found = RootPlan.build(root, ts, peek)
     loose = _unrecorded(found, wanted, recorded | {e.patch for i in peek.intents for e in i.previous})
-    if loose and stock is None:  # refused before anything is locked or created
-        return [unrecorded.verdict(found, t, inv, {"recorded": False}) for t in loose], [], True
-    if loose and stock is not None:
-        proved, _ = _restore(found, loose, wanted, stock, inv)
-        if any(o.status == Status.UNRECORDED for o in proved):
+    if loose:  # refused, if it is, before anything is locked or created
+        if stock is None:
+            judged = [unrecorded.verdict(found, t, inv, {"recorded": False}) for t in loose]
+        else:
+            judged, _ = _restore(found, loose, wanted, stock, inv)
+        if any(o.status == Status.UNRECORDED for o in judged):
             held = "not reverted: another file in this root was refused"
-            others = [by_id[i].outcome(Status.APPLIED, message=held) for i in wanted if i in recorded and i in by_id]
-            for o in proved:
+            for o in judged:
                 if o.status == Status.REVERTED:
                     o.status, o.message = Status.UNRECORDED, held
-            return proved + others, [], True
+            others = [by_id[i].outcome(Status.APPLIED, message=held) for i in wanted if i in recorded and i in by_id]
+            return judged + others, [], True
     if not (recorded & set(wanted)) and not loose and not tx.needs_recovery(peek, relpaths):
         why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
         return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], [], False
