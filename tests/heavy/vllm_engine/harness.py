@@ -100,12 +100,14 @@ def save_model(folder: Path, seed: int = 0) -> Path:
 ENGINE_ARGS = dict(
     dtype="bfloat16",
     enforce_eager=True,
-    gpu_memory_utilization=0.05,  # of the RAM, on the CPU
+    # vLLM's CPU worker sizes the KV cache as a fraction of the RAM less what the process holds
+    # (0.25 refuses 0.05 of 18 GiB once torch is loaded); a fixed size holds the tiny model's
+    # ~0.5 KiB per token many times over, whatever else runs on the machine
+    kv_cache_memory_bytes=64 << 20,
     max_model_len=MAX_MODEL_LEN,
     enable_prefix_caching=False,  # a refit must not meet KV blocks of the weights before it
     seed=0,
 )
-
 
 
 def generate(llm) -> list[dict]:
@@ -128,6 +130,50 @@ def generate(llm) -> list[dict]:
             }
         )
     return results
+
+
+def server_flags() -> list[str]:
+    """ENGINE_ARGS as the OpenAI server's command line spells them."""
+    flags = []
+    for key, value in ENGINE_ARGS.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def completion(url: str, prompt: list[int], **overrides):
+    """One greedy completion from the server, as ``generate`` records one: token ids and, per
+    step, the logprobs by token id (the server names tokens "token_id:N" when asked)."""
+    import httpx
+
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True,
+        **overrides,
+    }
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def as_generation(response) -> dict:
+    logprobs = response.json()["choices"][0]["logprobs"]
+
+    def token_id(name: str) -> str:
+        return name.removeprefix("token_id:")
+
+    return {
+        "tokens": [int(token_id(t)) for t in logprobs["tokens"]],
+        "logprobs": [{token_id(t): lp for t, lp in step.items()} for step in logprobs["top_logprobs"]],
+        "token_logprobs": logprobs["token_logprobs"],
+    }
 
 
 # ---------------------------------------------------------------- the plugin in every engine process
@@ -196,21 +242,19 @@ def on_worker_load_weights(worker, path: str, skip: tuple[str, ...] = (), only: 
     return len(weights)
 
 
-def on_worker_copy_in_place(worker, path: str) -> int:
-    """A refit that writes straight into each parameter (``param.data.copy_``), as some trainers'
-    weight syncs do, without ``load_weights``: vLLM's fused parameters (qkv, gate_up) are left
-    as they are, the rest take the file's values."""
+def on_worker_copy_in_place(worker, path: str, names: tuple[str, ...]) -> list[str]:
+    """A refit that writes straight into the parameters ``names`` (``param.data.copy_``), as some
+    trainers' weight syncs do, without ``load_weights``; a head padded past the vocabulary takes
+    the file's rows at its top. Returns the names written."""
     import torch
     from safetensors.torch import load_file
 
     weights = load_file(path)
-    done = 0
+    params = dict(_model(worker).named_parameters())
     with torch.no_grad():
-        for name, param in _model(worker).named_parameters():
-            if name in weights and weights[name].shape == param.shape:
-                param.data.copy_(weights[name])
-                done += 1
-    return done
+        for name in names:
+            params[name].data[: weights[name].shape[0]].copy_(weights[name])
+    return list(names)
 
 
 def on_worker_capture(worker) -> None:
@@ -220,7 +264,8 @@ def on_worker_capture(worker) -> None:
     calls: list = []
 
     def record(module, args, output):
-        calls.append((args[1].detach().clone(), output.detach().clone()))
+        if output is not None:  # None: a rank that vLLM's gather leaves without logits
+            calls.append((args[1].detach().clone(), output.detach().clone()))
 
     worker._fp32patch_test_capture = (calls, model.logits_processor.register_forward_hook(record))
 
@@ -232,14 +277,19 @@ def on_worker_release(worker) -> None:
         worker._fp32patch_test_capture = None
 
 
-def on_worker_captured_logits(worker) -> dict:
+def on_worker_captured_logits(worker, head_from: str | None = None) -> dict:
     """The recorded logits against float64 logits of the same hidden states and the live head
-    weight (trimmed to the vocabulary): their dtypes, the largest relative error, the rows."""
-    import torch
+    weight (trimmed to the vocabulary; under tensor parallelism, where a worker holds a shard,
+    the whole head of the safetensors file ``head_from``): their dtypes, the largest relative
+    error, the rows."""
+    from safetensors.torch import load_file
 
     calls = worker._fp32patch_test_capture[0]
     on_worker_release(worker)
-    weight = _model(worker).lm_head.weight.detach().double()[:VOCAB]
+    if head_from is None:
+        weight = _model(worker).lm_head.weight.detach().double()[:VOCAB]
+    else:
+        weight = load_file(head_from)["lm_head.weight"].double()
     worst, dtypes, rows = 0.0, set(), 0
     for hidden, logits in calls:
         want = hidden.double() @ weight.T

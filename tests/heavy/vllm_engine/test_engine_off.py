@@ -37,7 +37,9 @@ def refit(llm, model_dir):
     """Load the real weights through the model's own load_weights; what the generations become."""
 
     def to(path=None, **kw):
-        llm.collective_rpc(harness.on_worker_load_weights, args=(str(path or model_dir / "model.safetensors"),), kwargs=kw)
+        llm.collective_rpc(
+            harness.on_worker_load_weights, args=(str(path or model_dir / "model.safetensors"),), kwargs=kw
+        )
         return harness.generate(llm)
 
     return to
@@ -103,3 +105,12 @@ def test_verl_probe_refuses_the_engine_naming_the_worker(llm, refit):
         f"vLLM worker 0 (host {report['host']}, pid {report['pid']}) computes bfloat16 logits: {VAR} is None"
     ) in str(caught.value)
     asyncio.run(probe_server(llm, {"fp32_lm_head": False}, where=VERL_WHERE))  # both off: agreed
+
+
+def test_a_refit_that_writes_the_head_in_place_is_the_pristine_engine(llm, refit, model_dir, other_weights, pristine):
+    refit(other_weights)
+    refit(skip=("lm_head.weight",))
+    head = ("lm_head.weight",)
+    real = str(model_dir / "model.safetensors")
+    assert llm.collective_rpc(harness.on_worker_copy_in_place, args=(real, head)) == [list(head)]
+    assert harness.generate(llm) == pristine
