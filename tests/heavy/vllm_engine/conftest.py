@@ -3,7 +3,7 @@ process -> worker, from a patched import root, started as few times as the check
 
 Each engine costs 30-90 s to start on two cores, so a module holds one (module-scoped), and
 the modules that share an engine run in one pytest-xdist worker (``xdist_group``; this
-conftest makes the scheduler honour the groups). Every engine process loads the test plugin
+conftest turns ``-n``'s ``load`` into ``loadgroup``). Every engine process loads the test plugin
 that keeps vLLM's linear layers on torch's plain GEMM (``harness.force_plain_gemm``): vLLM's
 CPU build would otherwise repack each weight and no refit could find it.
 
@@ -40,8 +40,13 @@ PATCHED_ROOT: Path | None = None
 
 
 def pytest_configure(config):
-    """Each process that runs tests patches a root of its own (an xdist controller runs none)."""
+    """Whole xdist groups per worker: the tests that share an engine start it once (the
+    controller schedules by group and each worker names its tests by group only under
+    ``--dist loadgroup``; plain ``-n`` means ``load``). Each process that runs tests patches a
+    root of its own (an xdist controller runs none)."""
     global PATCHED_ROOT
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadgroup"
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     PATCHED_ROOT = _patched_root()
@@ -51,13 +56,6 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if PATCHED_ROOT is not None:
         shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """Whole xdist groups per worker: the modules that share an engine start it once."""
-    from xdist.scheduler import LoadGroupScheduling
-
-    return LoadGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

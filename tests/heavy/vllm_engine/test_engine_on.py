@@ -70,10 +70,8 @@ def test_the_switch_reaches_the_worker(llm):
     assert llm.collective_rpc(harness.on_worker_environ, args=(VAR,)) == ["1"]
 
 
-def test_a_dummy_load_then_a_refit_through_load_weights_is_the_real_load(llm, model_dir, served, pristine):
-    got = fp32_after(llm, lambda: refit_by_load_weights(llm, model_dir / "model.safetensors"))
-    assert got == served
-    assert got != pristine  # fp32 logits: not vLLM's bf16 ones
+def test_a_dummy_load_then_a_refit_through_load_weights_is_the_real_load(llm, model_dir, served):
+    assert fp32_after(llm, lambda: refit_by_load_weights(llm, model_dir / "model.safetensors")) == served
 
 
 def test_a_refit_by_name_through_collective_rpc_is_the_real_load(llm, model_dir, other_weights, served):
