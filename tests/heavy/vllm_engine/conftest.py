@@ -18,7 +18,6 @@ import contextlib
 import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -30,32 +29,25 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.pop("NRL_VLLM_FP32_LM_HEAD", None)
 
-from tests.heavy.vllm.conftest import _patched_root  # noqa: E402
+from tests.heavy.vllm import conftest as vllm_suite  # noqa: E402
 from tests.heavy.vllm_engine import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 
-PATCHED_ROOT: Path | None = None
-
 
 def pytest_configure(config):
     """Whole xdist groups per worker: the tests that share an engine start it once (the
     controller schedules by group and each worker names its tests by group only under
-    ``--dist loadgroup``; plain ``-n`` means ``load``). Each process that runs tests patches a
-    root of its own (an xdist controller runs none)."""
-    global PATCHED_ROOT
+    ``--dist loadgroup``; plain ``-n`` means ``load``). The patched root is the vLLM suite's:
+    one per process that runs tests, first on ``sys.path``."""
     if getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadgroup"
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        return
-    PATCHED_ROOT = _patched_root()
-    sys.path.insert(0, str(PATCHED_ROOT))
+    vllm_suite.pytest_configure(config)
 
 
 def pytest_unconfigure(config):
-    if PATCHED_ROOT is not None:
-        shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
+    vllm_suite.pytest_unconfigure(config)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +74,7 @@ def plugin_dir(tmp_path_factory) -> Path:
 def engine_environ(plugin_dir: Path, switch: str | None, patched: bool = True) -> dict[str, str]:
     """The environment an engine's processes start with: the patched root (or not) ahead of the
     environment's vLLM, the plugin, this repository; the switch set or unset."""
-    paths = [str(PATCHED_ROOT)] if patched else []
+    paths = [str(vllm_suite.PATCHED_ROOT)] if patched else []
     environ = dict(os.environ)
     environ.update(
         PYTHONPATH=os.pathsep.join([*paths, str(plugin_dir), str(REPO)]),
@@ -157,9 +149,7 @@ def server_on(model_dir, plugin_dir, tmp_path_factory) -> Iterator[str]:
     127.0.0.1, patched, the switch on, the real weights loaded; its base URL."""
     import httpx
 
-    from tests.heavy.vllm.conftest import free_port
-
-    port = free_port()
+    port = vllm_suite.free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = [
         sys.executable,

@@ -20,7 +20,6 @@ from pathlib import Path
 # head_dim 64: vLLM's CPU attention takes 32, 64, 80, ... (not 16)
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 500, 128, 2, 2, 1
 MAX_MODEL_LEN = 96
-EOS = "<|endoftext|>"
 # Token-id prompts (no tokenizer in the path that is compared); lengths 5, 9, 13
 PROMPTS = [[(7 * i + 3 * k + 11) % 480 + 10 for k in range(5 + 4 * i)] for i in range(3)]
 NEW_TOKENS = 8
@@ -31,21 +30,13 @@ TOP_LOGPROBS = 5
 
 
 def _tokenizer(folder: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from bench.agreement import EOS, read_texts, train_tokenizer
+
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text() for name in ("textwrap.py", "string.py", "shlex.py")]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    texts = read_texts([stdlib / name for name in ("textwrap.py", "string.py", "shlex.py")])
+    tokenizer = train_tokenizer(texts, VOCAB)
     assert tokenizer.get_vocab_size() == VOCAB, tokenizer.get_vocab_size()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(folder)
 
