@@ -45,6 +45,11 @@ def refit(llm, model_dir):
     return to
 
 
+def test_a_dummy_load_then_a_refit_through_load_weights_is_the_pristine_engine_bit_for_bit(llm, refit, pristine):
+    assert harness.generate(llm) != pristine  # the dummy weights, as loaded
+    assert refit() == pristine
+
+
 def test_the_switch_is_off_in_the_worker_and_the_logits_stay_bf16(llm, refit):
     assert llm.collective_rpc(harness.on_worker_environ, args=(VAR,)) == [None]
     llm.collective_rpc(harness.on_worker_capture)
@@ -53,10 +58,6 @@ def test_the_switch_is_off_in_the_worker_and_the_logits_stay_bf16(llm, refit):
     assert captured["dtypes"] == ["bfloat16"] and captured["calls"] >= harness.NEW_TOKENS
     assert captured["pid"] != os.getpid()  # the worker is another process
     assert captured["rel_err"] > 1e-4  # bf16's own rounding, which fp32 would take away
-
-
-def test_a_dummy_load_then_a_refit_through_load_weights_is_the_pristine_engine_bit_for_bit(refit, pristine):
-    assert refit() == pristine
 
 
 def test_a_refit_by_name_through_collective_rpc_is_the_pristine_engine(llm, model_dir, other_weights, pristine):

@@ -71,6 +71,7 @@ def test_the_switch_reaches_the_worker(llm):
 
 
 def test_a_dummy_load_then_a_refit_through_load_weights_is_the_real_load(llm, model_dir, served):
+    assert fp32_after(llm, lambda: harness.generate(llm)) != served  # the dummy weights, as loaded
     assert fp32_after(llm, lambda: refit_by_load_weights(llm, model_dir / "model.safetensors")) == served
 
 
