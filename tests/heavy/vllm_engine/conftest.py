@@ -2,8 +2,8 @@
 process -> worker, from a patched import root, started as few times as the checks allow.
 
 Each engine costs 30-90 s to start on two cores, so a module holds one (module-scoped), and
-the modules that share an engine run in one pytest-xdist worker (``xdist_group``; this
-conftest turns ``-n``'s ``load`` into ``loadgroup``). Every engine process loads the test plugin
+each module, with the modules that share its engines, runs on one pytest-xdist worker (the
+scheduler below). Every engine process loads the test plugin
 that keeps vLLM's linear layers on torch's plain GEMM (``harness.force_plain_gemm``): vLLM's
 CPU build would otherwise repack each weight and no refit could find it.
 
@@ -37,13 +37,26 @@ VAR = "NRL_VLLM_FP32_LM_HEAD"
 
 
 def pytest_configure(config):
-    """Whole xdist groups per worker: the tests that share an engine start it once (the
-    controller schedules by group and each worker names its tests by group only under
-    ``--dist loadgroup``; plain ``-n`` means ``load``). The patched root is the vLLM suite's:
-    one per process that runs tests, first on ``sys.path``."""
-    if getattr(config.option, "dist", None) == "load":
-        config.option.dist = "loadgroup"
+    """The patched root is the vLLM suite's: one per process that runs tests, first on ``sys.path``."""
     vllm_suite.pytest_configure(config)
+
+
+# Modules that run on another module's engines, so on the same pytest-xdist worker
+SAME_ENGINES = {"test_server.py": "test_engine_on.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """One pytest-xdist worker per module (as ``--dist loadscope``), and the modules that share
+    an engine on one worker, so that each engine starts once whatever ``-n`` says."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByEngine(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            folder, _, name = module.rpartition("/")
+            return f"{folder}/{SAME_ENGINES.get(name, name)}"
+
+    return ByEngine(config, log)
 
 
 def pytest_unconfigure(config):

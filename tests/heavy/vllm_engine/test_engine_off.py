@@ -19,8 +19,6 @@ from fp32patch.runtime.verl import probe_server
 from tests.heavy.vllm_engine import harness
 from tests.heavy.vllm_engine.conftest import VAR, engine
 
-pytestmark = pytest.mark.xdist_group("engine-off")
-
 NEMO_RL_KEY = "policy.megatron_cfg.fp32_lm_head"
 VERL_WHERE = "vLLM rollout server"
 

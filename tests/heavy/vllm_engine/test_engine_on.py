@@ -21,8 +21,6 @@ from fp32patch.runtime.verl import probe_server
 from tests.heavy.vllm_engine import harness
 from tests.heavy.vllm_engine.conftest import VAR, engine, vllm_version
 
-pytestmark = pytest.mark.xdist_group("engine-on")
-
 
 @pytest.fixture(scope="module")
 def llm(model_dir, plugin_dir):

