@@ -8,15 +8,17 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-# What bench/agreement.py measured (H200, 2026-12-01; bench/RESULTS.md, "Train/generation
-# agreement of two engines"), quoted by the refusal and the opt-in's warning.
+# What bench/agreement.py measured (bench/RESULTS.md: "Train/generation agreement of two
+# engines", H200, 2026-12-01; its real-engine mode, vLLM's CPU engine against transformers,
+# 2026-12-03), quoted by the refusal and the opt-in's warning.
 ONE_SIDED_EVIDENCE = (
-    "measured (bench/RESULTS.md, two engines on an H200, NeMo-RL's token_mult_prob_error): fp32 "
-    "on both sides is best everywhere (trained 135M model: 1.01202 against 1.01444 for neither); "
-    "one side alone is at most ~8e-4 better than neither where the engines' own divergence "
-    "exceeds the head's rounding (1.01391), and worse, by up to one head's whole rounding, where "
-    "the rounding dominates: NeMo-RL's fleet (#3936) read 1.035 one-sided against 1.029 for "
-    "neither and 1.015 for both"
+    "measured (bench/RESULTS.md, NeMo-RL's token_mult_prob_error): fp32 on both sides is best "
+    "everywhere (trained 135M model on an H200: 1.01202 against 1.01444 for neither; whole vLLM "
+    "CPU engines against transformers: 1.0236-1.0248 against 1.0265-1.0279); one side alone is "
+    "at most ~2e-3 better than neither where the engines' own divergence exceeds the head's "
+    "rounding (1.01391 on the H200, 1.0253-1.0271 on the CPU engines), and worse, by up to one "
+    "head's whole rounding, where the rounding dominates: NeMo-RL's fleet (#3936) read 1.035 "
+    "one-sided against 1.029 for neither and 1.015 for both"
 )
 
 
