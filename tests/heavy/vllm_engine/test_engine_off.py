@@ -101,7 +101,8 @@ def test_verl_probe_refuses_the_engine_naming_the_worker(llm, refit):
     (report,) = llm.collective_rpc(PROBE_RPC)
     assert str(caught.value).startswith(f"fp32patch ({VERL_WHERE}): the rollout's logits do not follow")
     assert (
-        f"vLLM worker 0 (host {report['host']}, pid {report['pid']}) computes bfloat16 logits: {VAR} is None"
+        f"vLLM worker 0 (host {report['host']}, pid {report['pid']}) computes bfloat16 logits while "
+        f"actor_rollout_ref.model.fp32_lm_head='fp32out': {VAR} is unset in that process"
     ) in str(caught.value)
     asyncio.run(probe_server(llm, {"fp32_lm_head": False}, where=VERL_WHERE))  # both off: agreed
 
