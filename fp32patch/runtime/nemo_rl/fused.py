@@ -132,13 +132,14 @@ def _tensor_parallel_group(model: Any) -> tuple[Any, int]:
     """The output layer's tensor-parallel group (Megatron's, where the layer names none) and its size."""
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1
     group = getattr(model.output_layer, "tp_group", None)
     if group is None:
         from megatron.core import parallel_state
 
         group = parallel_state.get_tensor_model_parallel_group()
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    return group, world
+    return group, dist.get_world_size(group)
 
 
 def _tell_once(mode: str, world: int, sequence_parallel: bool) -> None:
