@@ -148,19 +148,32 @@ def test_valid_configs_and_what_they_ask_for(cfg, environ, expected, vllm_versio
     assert validate_fp32_lm_head_config(cfg, environ=environ) == expected
 
 
-def test_triton_fused_kernels_are_accepted_with_a_note():
-    settings = validate_fp32_lm_head_config(
-        verl("fp32out", use_fused_kernels=True, fused_kernel_options={"impl_backend": "triton"}), environ={}
-    )
-    assert (settings.mode, settings.fused, settings.vllm) == ("fp32out", "triton", "1")
+@pytest.mark.parametrize("backend", ["torch", "liger", "triton"])
+@pytest.mark.parametrize("where", ["model", "actor"])
+def test_fused_kernels_on_fsdp_are_accepted_and_computed_by_fp32patch(backend, where):
+    fused = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": backend}}
+    cfg = verl("fp32out", **fused) if where == "model" else verl("fp32out", actor={"use_fused_kernels": True}, fused_kernel_options={"impl_backend": backend})
+    settings = validate_fp32_lm_head_config(cfg, environ={})
+    assert (settings.mode, settings.fused, settings.vllm) == ("fp32out", backend, "1")
     [note] = settings.notes
-    assert "triton" in note and "fp32" in note and "the reference policy" in note
+    assert f"use_fused_kernels ({backend})" in note and "fp32patch's chunked fp32 log-probs in mode 'fp32out'" in note
+    assert ("does not run" in note) == (backend != "torch")
 
 
-def test_megatron_fused_kernels_are_triton_whatever_the_option_says():
+def test_megatron_fused_kernels_are_verls_triton_kernel_and_the_note_says_what_it_computes():
     cfg = verl("fp32out", strategy="megatron", use_fused_kernels=True, fused_kernel_options={"impl_backend": "torch"})
     settings = validate_fp32_lm_head_config(cfg, environ={})
-    assert settings.fused == "triton" and len(settings.notes) == 1
+    assert settings.fused == "triton"
+    [note] = settings.notes
+    assert "fused triton kernel" in note and "'fp32out' does not apply there" in note
+    assert "rounds the gradient with respect to the logits to bf16" in note and "9504" in note
+    assert "use_fused_kernels to false" in note
+
+
+def test_a_backend_verl_does_not_fuse_leaves_the_head_to_compute():
+    cfg = verl("fp32out", use_fused_kernels=True, fused_kernel_options={"impl_backend": "cuda"})
+    [note] = validate_fp32_lm_head_config(cfg, environ={}).notes
+    assert "'cuda', which verl does not fuse" in note
 
 
 def test_the_notes_are_not_part_of_equality():
@@ -207,22 +220,6 @@ RUNTIME_ENV = f"ray_kwargs.ray_init.runtime_env.env_vars.{VAR}"
             for strategy in ("veomni", "torchtitan", "automodel")
         ),
         (verl("fp32out", ref_strategy="veomni"), {}, ["actor_rollout_ref.ref.strategy is 'veomni'"]),
-        # fused kernels that never call the head
-        (
-            verl("fp32out", use_fused_kernels=True),
-            {},
-            ["use_fused_kernels and the 'torch' backend", "lm_head.weight in bf16", "impl_backend to triton"],
-        ),
-        (
-            verl("fp32out", use_fused_kernels=True, fused_kernel_options={"impl_backend": "liger"}),
-            {},
-            ["use_fused_kernels and the 'liger' backend", "never calls the head"],
-        ),
-        (
-            verl("fp32out", actor={"use_fused_kernels": True}),
-            {},
-            ["use_fused_kernels and the 'torch' backend"],
-        ),
         # a rollout without an fp32 head
         *(
             (
@@ -330,7 +327,7 @@ def test_check_config_logs_what_runs_and_the_notes(log_lines):
     assert settings.fused == "triton"
     lines = log_lines()
     assert [level for level, _ in lines] == ["WARNING", "INFO"]
-    assert lines[0][1].startswith("fp32patch (validate_config): fused kernels (triton)")
+    assert lines[0][1].startswith("fp32patch (validate_config): use_fused_kernels (triton): the log-probs")
     assert lines[1][1] == (
         f"fp32patch (validate_config): fp32 LM head 'fp32out' on the actor and the ref; {VAR}=1 in every vLLM "
         "rollout process"
