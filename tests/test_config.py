@@ -89,7 +89,10 @@ VALID = [
         id="fused-logprobs-any-backend",
     ),
     pytest.param(
-        {**policy("fp32out", vllm=True), "megatron_cfg": {"fp32_lm_head": "fp32out", "use_linear_ce_fusion_loss": True}},
+        {
+            **policy("fp32out", vllm=True),
+            "megatron_cfg": {"fp32_lm_head": "fp32out", "use_linear_ce_fusion_loss": True},
+        },
         Fp32LmHeadSettings("fp32out", "1"),
         id="fused-logprobs-before-july-2026",
     ),

@@ -64,7 +64,11 @@ def _inputs():
 
 
 def _reference(model: GPT, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
     z = hidden.detach().double() @ weight.detach().double().t() / temperature  # [s, b, v]
     logp = torch.log_softmax(z, dim=-1)[:-1].gather(-1, labels.t()[1:, :, None])[..., 0]
     return logp.t()  # [b, s - 1]
@@ -204,5 +208,7 @@ def test_the_patched_train_step_imports_no_fp32patch_where_nothing_asks(trains):
         assert not [m for m in sys.modules if m.startswith("fp32patch")], sorted(sys.modules)
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    )
     assert result.returncode == 0, result.stderr

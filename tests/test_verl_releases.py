@@ -292,7 +292,9 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
     # the fused kernels: fp32patch's path first in FusedLinearForPPO.forward (torch, liger), and
     # linear_cross_entropy (triton) wrapped right where the module binds it
     forward = _method(trees["fused_torch"], "FusedLinearForPPO", "forward")
-    assert _first_statement(forward).startswith("_fp32patch_out = _fp32patch_fused_logprobs(hidden_states, vocab_weights")
+    assert _first_statement(forward).startswith(
+        "_fp32patch_out = _fp32patch_fused_logprobs(hidden_states, vocab_weights"
+    )
     inserted["fused_torch"] += 2
     module = [ast.unparse(n) for n in trees["fused_triton"].body]
     at = module.index("linear_cross_entropy = LinearCrossEntropy.apply")
@@ -546,7 +548,10 @@ def fused_modules(request, tmp_path_factory):
     assert code == 0, out
     return {
         "version": version,
-        **{f"{kind}_torch": _load(root / FILES["fused_torch"], f"verl_tf_{kind}_{version}") for kind, root in (("stock", stock), ("patched", patched))},
+        **{
+            f"{kind}_torch": _load(root / FILES["fused_torch"], f"verl_tf_{kind}_{version}")
+            for kind, root in (("stock", stock), ("patched", patched))
+        },
         "patched_triton": _load(patched / FILES["fused_triton"], f"verl_lce_{version}"),
     }
 
@@ -554,7 +559,11 @@ def fused_modules(request, tmp_path_factory):
 def _ppo(module, weight, backend="torch"):
     hidden, ids = _fused_inputs()
     hidden.requires_grad_()
-    fused = module.FusedLinearForPPO(impl_backend=backend) if "impl_backend" in module.FusedLinearForPPO.__init__.__code__.co_varnames else module.FusedLinearForPPO()
+    fused = (
+        module.FusedLinearForPPO(impl_backend=backend)
+        if "impl_backend" in module.FusedLinearForPPO.__init__.__code__.co_varnames
+        else module.FusedLinearForPPO()
+    )
     log_probs, entropy = fused.forward(hidden, weight, ids, temperature=0.7)
     (log_probs.sum() + 0.3 * entropy.float().sum()).backward()
     return log_probs, entropy, hidden, ids
@@ -592,6 +601,8 @@ def test_a_wired_head_gets_fp32_log_probs_and_entropy_from_every_backend(fused_m
     # triton's linear_cross_entropy, called as verl's FSDP forward calls it: flat, as the kernel's
     model = wire_hf(_TinyLM(tied), {"fp32_lm_head": "fp32out"}, role="ref")
     hidden, ids = _fused_inputs()
-    log_probs, entropy = fused_modules["patched_triton"].linear_cross_entropy(hidden, model.lm_head.weight, ids, 0.7, "none")
+    log_probs, entropy = fused_modules["patched_triton"].linear_cross_entropy(
+        hidden, model.lm_head.weight, ids, 0.7, "none"
+    )
     assert log_probs.shape == entropy.shape == (ids.numel(),)
     assert (log_probs.double() - want_logp.reshape(-1)).abs().max() < 1e-5

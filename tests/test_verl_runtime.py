@@ -152,7 +152,11 @@ def test_valid_configs_and_what_they_ask_for(cfg, environ, expected, vllm_versio
 @pytest.mark.parametrize("where", ["model", "actor"])
 def test_fused_kernels_on_fsdp_are_accepted_and_computed_by_fp32patch(backend, where):
     fused = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": backend}}
-    cfg = verl("fp32out", **fused) if where == "model" else verl("fp32out", actor={"use_fused_kernels": True}, fused_kernel_options={"impl_backend": backend})
+    cfg = (
+        verl("fp32out", **fused)
+        if where == "model"
+        else verl("fp32out", actor={"use_fused_kernels": True}, fused_kernel_options={"impl_backend": backend})
+    )
     settings = validate_fp32_lm_head_config(cfg, environ={})
     assert (settings.mode, settings.fused, settings.vllm) == ("fp32out", backend, "1")
     [note] = settings.notes

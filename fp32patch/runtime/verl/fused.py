@@ -34,7 +34,14 @@ _told: set[tuple[str, str]] = set()
 
 
 def fused_logprobs(
-    hidden: Any, weight: Any, targets: Any, temperature: Any, *, backend: str, reduction: str = "none", group: Any = None
+    hidden: Any,
+    weight: Any,
+    targets: Any,
+    temperature: Any,
+    *,
+    backend: str,
+    reduction: str = "none",
+    group: Any = None,
 ) -> tuple[Any, Any] | None:
     """(log-probs, entropy) of verl's fused path ``backend`` ("torch", "liger", "triton") from
     ``hidden`` [..., H], ``weight`` [V, H] and ``targets`` shaped as ``hidden`` without its last
@@ -54,8 +61,9 @@ def fused_logprobs(
         raise NotImplementedError(
             f"fp32patch: verl's fused {backend} path read the LM head's weight as a DTensor "
             f"({getattr(weight, 'placements', '?')}): the head is sharded where the fused forward reads it "
-            "(FSDP2 wraps an untied lm_head on its own, or tensor parallelism), so no kernel can use it whole "
-            "there. Set actor_rollout_ref.model.use_fused_kernels to false (the fp32 head then computes the logits)"
+            "(FSDP2 wraps an untied lm_head on its own, or tensor parallelism): verl's own fused kernels fail "
+            "there too (mixed torch.Tensor and DTensor). Set actor_rollout_ref.model.use_fused_kernels to false "
+            "(the fp32 head then computes the logits), or use FSDP1 (strategy fsdp) or a tied head"
         )
     from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
 

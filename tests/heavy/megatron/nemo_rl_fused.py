@@ -87,7 +87,11 @@ def policy_cfg(spec: dict, world: int) -> dict:
         "sequence_parallel": world > 1,
         "tensor_model_parallel_size": world,
         spec["fused_key"]: True,
-        ("fused_linear_logprobs_chunk_size" if spec["fused_key"] == "use_fused_linear_logprobs" else "linear_ce_fusion_chunk_size"): CHUNK,
+        (
+            "fused_linear_logprobs_chunk_size"
+            if spec["fused_key"] == "use_fused_linear_logprobs"
+            else "linear_ce_fusion_chunk_size"
+        ): CHUNK,
     }
     vllm_cfg: dict = {}
     if spec["key"] is not None:
@@ -148,7 +152,11 @@ def tensor_parallel_gpt(cfg, tied: bool):
 def output_weight(model):
     """The weight the head reads: its own, or the shared embedding's when tied (GPTModel's
     ``shared_embedding_or_output_weight`` gives the embedding's on a first stage either way)."""
-    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+    return (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
 
 
 def packed_microbatch() -> dict:
@@ -232,4 +240,3 @@ def reference(record: dict, temperature: float = TEMPERATURE) -> dict[str, torch
     loss = -(logp * advantages()[0].double() * mask).sum() / mask.sum()
     (weight_grad,) = torch.autograd.grad(loss, weight)
     return {"log_probs": logp.detach()[None], "weight_grad": weight_grad}
-

@@ -26,7 +26,6 @@ patched, and refuses it where the process imported NeMo-RL's fused path unpatche
 
 from __future__ import annotations
 
-import __future__
 import ast
 import importlib
 import os
@@ -73,7 +72,10 @@ def copies(tmp_path_factory) -> dict[str, Path]:
     from tests.nemo_rl_harness import cli
 
     real = Path(CHECKOUT or "")
-    if not (real / MODEL_UTILS).is_file() or "_gpt_forward_with_linear_ce_fusion" not in (real / MODEL_UTILS).read_text():
+    if (
+        not (real / MODEL_UTILS).is_file()
+        or "_gpt_forward_with_linear_ce_fusion" not in (real / MODEL_UTILS).read_text()
+    ):
         pytest.skip(f"{real} has no fused log-prob path (NeMo-RL from 2026-03-19 on)")
     roots = {}
     for name in ("stock", "patched"):
@@ -98,7 +100,10 @@ def _train_definitions(root: Path) -> dict:
     """train.py's top-level definitions, run without its imports (see the module docstring)."""
     from tests.test_nemo_rl_upstream_files import _definitions
 
-    names = {name: getattr(typing, name) for name in ("Any", "Callable", "Dict", "Iterator", "List", "Optional", "Tuple", "Union")}
+    names = {
+        name: getattr(typing, name)
+        for name in ("Any", "Callable", "Dict", "Iterator", "List", "Optional", "Tuple", "Union")
+    }
     return _definitions(root / TRAIN, {"__name__": "nemo_rl_train", "torch": torch, **names})
 
 
