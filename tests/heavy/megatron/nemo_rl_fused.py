@@ -45,24 +45,29 @@ def run(name: str, key=None, tied: bool = False, fused_key: str = "use_fused_lin
 
 def worker(rank: int, world: int, port: int, job: dict) -> None:
     init_parallel(rank, world, port)
-    no_rng_fork().__enter__()  # for the whole process
     sys.path.insert(0, job["root"])
     results: dict = {"runs": {}, "modules": []}
     try:
-        for phase in job["phases"]:
-            for spec in phase:
-                try:
-                    results["runs"][spec["name"]] = {"ok": True, **one_run(rank, world, spec)}
-                except Exception as exc:  # recorded for the test to show
-                    results["runs"][spec["name"]] = {
-                        "ok": False,
-                        "error": f"{type(exc).__name__}: {exc}"[:3000],
-                        "traceback": traceback.format_exc()[-4000:],
-                    }
-            results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
+        with no_rng_fork():
+            for phase in job["phases"]:
+                for spec in phase:
+                    results["runs"][spec["name"]] = recorded(rank, world, spec)
+                results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
         torch.save(results, os.path.join(job["out"], f"rank{rank}.pt"))
     finally:
         close_parallel()
+
+
+def recorded(rank: int, world: int, spec: dict) -> dict:
+    """``one_run``'s record, or what it raised (for the test to show)."""
+    try:
+        return {"ok": True, **one_run(rank, world, spec)}
+    except Exception as exc:
+        return {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}"[:3000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
 
 
 @contextlib.contextmanager
