@@ -212,3 +212,31 @@ def test_the_patched_train_step_imports_no_fp32patch_where_nothing_asks(trains):
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1]
     )
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- kit.fused: wired heads found by their weight
+
+
+class Chunk(torch.nn.Module):
+    """A Megatron chunk as get_model hands it over: the GPTModel inside a wrapper (DDP's .module)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.module = gpt
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_kit_finds_a_wired_megatron_head_by_the_weight_its_fused_path_reads(tied):
+    import gc
+
+    from fp32patch.runtime.kit.fused import remember, wired_mode
+
+    gpt = GPT(tied=tied, mode="fp32out")
+    assert remember([Chunk(gpt)], "megatron") == 1
+    read = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
+    assert wired_mode(read) == "fp32out" and wired_mode(read, trainer="hf") is None
+    other = GPT(tied=tied)  # not wired
+    assert wired_mode(other.shared_embedding_or_output_weight() if tied else other.output_layer.weight) is None
+    del gpt
+    gc.collect()
+    assert wired_mode(read) is None  # a model that is gone is forgotten

@@ -770,3 +770,30 @@ def test_what_the_gate_lets_through_the_runtime_runs_or_refuses(value):
         except Fp32LmHeadConfigError:
             continue
         assert mode in ("fp32", "tf32", "fp32out")
+
+
+# ---------------------------------------------------------------- the fused kernels' runtime
+
+
+def test_fused_logprobs_runs_only_for_a_wired_heads_weight_and_refuses_what_it_does_not_compute():
+    import torch
+
+    from fp32patch.runtime.verl import fused_logprobs, wire_hf
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = torch.nn.Linear(8, 20, bias=False, dtype=torch.bfloat16)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    hidden, ids = torch.randn(2, 5, 8).bfloat16(), torch.randint(0, 20, (2, 5))
+    assert fused_logprobs(hidden, LM().lm_head.weight, ids, 0.7, backend="torch") is None
+    model = wire_hf(LM(), {"fp32_lm_head": "fp32out-bf16grad"}, role="actor")
+    log_probs, entropy = fused_logprobs(hidden, model.lm_head.weight, ids, 0.7, backend="torch")
+    logp = torch.log_softmax(hidden.double() @ model.lm_head.weight.double().t() / 0.7, dim=-1)
+    assert (log_probs.double() - logp.gather(-1, ids[..., None])[..., 0]).abs().max() < 1e-5
+    assert (entropy.double() + (logp.exp() * logp).sum(-1)).abs().max() < 1e-5
+    with pytest.raises(NotImplementedError, match="reduction='sum'"):
+        fused_logprobs(hidden, model.lm_head.weight, ids, 0.7, backend="triton", reduction="sum")
