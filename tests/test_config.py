@@ -81,6 +81,21 @@ VALID = [
     ),
     pytest.param(policy("fp32out", "1", fused=False), Fp32LmHeadSettings("fp32out", "1"), id="fused-off"),
     pytest.param(policy(False, fused=True), Fp32LmHeadSettings(None, None), id="fused-with-head-off"),
+    # the fused log-prob path: fp32patch's patched fused forward computes it at fp32 grade
+    pytest.param(policy(True, "1", fused=True), Fp32LmHeadSettings("fp32", "1"), id="fused-logprobs"),
+    pytest.param(
+        policy("fp32out", "1", fused=True, backend="megatron"),
+        Fp32LmHeadSettings("fp32out", None),
+        id="fused-logprobs-any-backend",
+    ),
+    pytest.param(
+        {
+            **policy("fp32out", vllm=True),
+            "megatron_cfg": {"fp32_lm_head": "fp32out", "use_linear_ce_fusion_loss": True},
+        },
+        Fp32LmHeadSettings("fp32out", "1"),
+        id="fused-logprobs-before-july-2026",
+    ),
     pytest.param(policy("tf32", "1", enabled=True), Fp32LmHeadSettings("tf32", "1"), id="enabled-true"),
     pytest.param(policy(False, enabled=False), Fp32LmHeadSettings(None, None), id="dtensor"),
     pytest.param(
@@ -175,17 +190,7 @@ INVALID = [
     pytest.param(policy(True, "tf32"), ["'tf32' is not valid"], id="vllm-tf32"),
     pytest.param(policy(True, ""), ["'' is not valid", "unset"], id="vllm-empty"),
     pytest.param(policy(True, 1.0), ["= 1.0 is not valid"], id="vllm-float"),
-    # Paths that bypass or never run the fp32 head.
-    pytest.param(
-        policy(True, "1", fused=True),
-        ["use_fused_linear_logprobs = True", "never run"],
-        id="fused-logprobs",
-    ),
-    pytest.param(
-        policy("fp32out", "1", fused=True, backend="megatron"),
-        ["use_fused_linear_logprobs"],
-        id="fused-logprobs-any-backend",
-    ),
+    # Paths that never run the fp32 head.
     pytest.param(policy(True, "1", enabled=False), ["megatron_cfg.enabled is False"], id="megatron-disabled"),
     # DTensor.
     pytest.param(
@@ -379,3 +384,38 @@ def test_the_trainer_settings_name_the_backend():
     assert (settings.trainer, settings.trainer_key) == ("fp32out", "policy.dtensor_cfg.fp32_lm_head")
     settings = validate_fp32_lm_head_config(policy("tf32", vllm=True), environ={})
     assert (settings.trainer, settings.trainer_key) == ("tf32", "policy.megatron_cfg.fp32_lm_head")
+
+
+# ---------------------------------------------------------------- the fused path, patched or not
+
+
+@pytest.mark.parametrize(
+    ("module", "upstream", "ours"),
+    [
+        ("nemo_rl.distributed.model_utils", "_gpt_forward_with_linear_ce_fusion", "_fp32patch_fused_logprobs"),
+        ("nemo_rl.models.megatron.train", "apply_temperature_scaling", "_fp32patch_temperature_applied"),
+    ],
+)
+@pytest.mark.parametrize("key", ["use_fused_linear_logprobs", "use_linear_ce_fusion_loss"])
+def test_the_fused_path_is_refused_where_this_process_imported_it_unpatched(monkeypatch, module, upstream, ours, key):
+    import sys
+    from types import ModuleType
+
+    cfg = policy("fp32out", vllm=True)
+    cfg["megatron_cfg"][key] = True
+    stock = ModuleType(module)
+    stock.__file__ = f"/opt/nemo-rl/{module.replace('.', '/')}.py"
+    setattr(stock, upstream, lambda *args: None)
+    monkeypatch.setitem(sys.modules, module, stock)
+    with pytest.raises(Fp32LmHeadConfigError) as raised:
+        validate_fp32_lm_head_config(cfg)
+    message = str(raised.value)
+    assert f"megatron_cfg.{key}" in message and stock.__file__ in message and "not patched by fp32patch" in message
+    assert "Run fp32patch apply" in message
+    setattr(stock, ours, lambda *args: None)  # what fp32patch's gate defines in the patched file
+    assert validate_fp32_lm_head_config(cfg) == Fp32LmHeadSettings("fp32out", "1")
+    # with the head off, the fused path is NeMo-RL's own business
+    cfg["megatron_cfg"]["fp32_lm_head"] = False
+    cfg["generation"]["vllm_cfg"]["fp32_lm_head"] = False
+    delattr(stock, ours)
+    assert validate_fp32_lm_head_config(cfg).megatron is None

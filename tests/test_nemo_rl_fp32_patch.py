@@ -35,9 +35,11 @@ from tests.fixtures.nemo_rl_shapes import (
     DTENSOR_V2,
     GENERATION,
     MERGED,
+    MODEL_UTILS,
     PATCHES,
     SETUP,
     SHAPES,
+    TRAIN,
     WORKER,
     checkout,
     files_at,
@@ -48,7 +50,8 @@ PATCH_ID = "nemo-rl-fp32-lm-head"
 CONTEXT_ID = "nemo-rl-context-length-400"
 POLICY = "nemo_rl/models/policy/lm_policy.py"
 BACKEND = "nemo_rl/models/generation/vllm/vllm_backend.py"
-FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES, DTENSOR, DTENSOR_V2]
+FILES = [SETUP, POLICY, BACKEND, WORKER, ASYNC_WORKER, GENERATION, PATCHES, DTENSOR, DTENSOR_V2, MODEL_UTILS, TRAIN]
+FUSED_EDITS = {"fused-logprobs", "fused-temperature", "fused-temperature-once"}
 UTILS = "nemo_rl/models/policy/utils.py"  # patched on checkouts after the September 2026 rework
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 
@@ -93,8 +96,10 @@ def test_apply_verify_revert_reapply_on_every_shape(tmp_path, shape):
     code, out = _run("apply", root)
     assert (code, out["status"]) == (0, "applied"), out
     patched = _sources(root)
-    # every file the shape has is patched, and only those; each edit left its marker once
-    present = [f for f in FILES if f in before]
+    # every file the shape has is patched, and only those (model_utils.py is left alone before it
+    # had the fused path); each edit left its marker once
+    unfused = shape.variant == "before-fused-logprobs"
+    present = [f for f in FILES if f in before and not (unfused and f == MODEL_UTILS)]
     assert sorted(p for p in patched if patched[p] != before[p]) == sorted(present)
     edits = set().union(*(_markers(patched[f].decode()) for f in present))
     assert "wire-policy" in edits and "probe-driver" in edits and "guard-driver" in edits
@@ -102,6 +107,8 @@ def test_apply_verify_revert_reapply_on_every_shape(tmp_path, shape):
     assert ("wire-inference-model" in edits) == (shape.variant == "inference-model")
     assert ("env-copy" in edits) == (PATCHES in before)
     assert ("env-copy-in-worker" in edits) == (PATCHES not in before)
+    # the fused log-prob path (2026-03-19 on) and its temperature
+    assert (FUSED_EDITS <= edits) == (not unfused) and not (unfused and FUSED_EDITS & edits)
     for path in present:
         compile(patched[path], path, "exec", dont_inherit=True)
 

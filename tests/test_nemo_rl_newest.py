@@ -30,7 +30,17 @@ import pytest
 import torch
 
 from tests.fixtures import nemo_rl_newest as newest
-from tests.fixtures.nemo_rl_shapes import NEWEST, NEWEST_SHAPES, SETUP, SHAPES, WORKER, checkout, files_at
+from tests.fixtures.nemo_rl_shapes import (
+    MODEL_UTILS,
+    NEWEST,
+    NEWEST_SHAPES,
+    SETUP,
+    SHAPES,
+    TRAIN,
+    WORKER,
+    checkout,
+    files_at,
+)
 from tests.nemo_rl_harness import cli, load_module
 from tests.test_nemo_rl_fp32_patch import (
     POLICY,
@@ -115,7 +125,10 @@ def test_each_reworked_shape_gets_its_variant_verifies_and_reverts_exactly(tmp_p
     assert not {"wire-policy", "wire-inference-model"} & _markers(setup)
     assert "residual" in _markers(setup)
     assert {"gate-patches", "keep-fp32patch-vllm", "env-copy"} <= _markers((root / PATCHES).read_text())
-    assert {"gate-utils", "lift-dtensor-refusal"} <= _markers((root / newest.UTILS).read_text())
+    assert {"gate-utils", "lift-refusals"} <= _markers((root / newest.UTILS).read_text())
+    # the fused log-prob path (its files are those of 2026-08-22)
+    assert {"fused-logprobs"} <= _markers((root / MODEL_UTILS).read_text())
+    assert {"fused-temperature", "fused-temperature-once"} <= _markers((root / TRAIN).read_text())
     assert "vllm-switch" not in _markers((root / WORKER).read_text())  # the workers set it themselves
     assert (root / newest.DTENSOR_V1).exists() == (shape.variant == "logit-dtype")
     assert _run("verify", root)[0] == 0
@@ -229,6 +242,28 @@ def test_our_modes_on_upstreams_megatron_head_are_refused_saying_why(monkeypatch
     patched.Policy(Cluster(), cfg, tokenizer=None)
     model_cfg, _ = setup.validate_and_set_config(cfg, 3, "tiny", None, None, None)
     assert model_cfg.logit_dtype == torch.float32
+
+
+@needs_runtime
+@pytest.mark.parametrize("shape", NEWEST_SHAPES, ids=lambda s: s.name)
+def test_upstreams_refusal_of_its_fp32_head_with_the_fused_path_is_lifted(monkeypatch, tmp_path, reworked, shape):
+    """Upstream refuses megatron_cfg.fp32_lm_head with use_fused_linear_logprobs (that path never
+    calls the output layer); with the patch, fp32patch's fused path computes it at fp32 grade from
+    upstream's logit_dtype head, so the driver lets it start, and the caller's config is untouched."""
+    monkeypatch.delenv(VAR, raising=False)
+    cfg = _megatron_yaml()
+    cfg["megatron_cfg"].update(use_fused_linear_logprobs=True, fused_linear_logprobs_chunk_size=256)
+    stock = _load(monkeypatch, checkout(shape.name, tmp_path / "stock"), POLICY)
+    with pytest.raises(ValueError, match="use_fused_linear_logprobs"):
+        stock.Policy(Cluster(), cfg, tokenizer=None)
+    cluster = Cluster()
+    _load(monkeypatch, reworked[shape.name], POLICY).Policy(cluster, cfg, tokenizer=None)
+    assert len(cluster.started) == 1
+    assert cfg["megatron_cfg"]["use_fused_linear_logprobs"] is True
+    # what upstream's check still refuses, it refuses with the fused path on too: one side alone
+    cfg["generation"]["vllm_cfg"]["fp32_lm_head"] = False
+    with pytest.raises(Exception, match="one side alone|both engines|both or in neither"):
+        _load(monkeypatch, reworked[shape.name], POLICY).Policy(Cluster(), cfg, tokenizer=None)
 
 
 @needs_runtime

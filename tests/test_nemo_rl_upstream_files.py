@@ -166,7 +166,7 @@ def test_newest_files_get_the_reworked_variant_verify_and_revert_exactly(newest_
     setup = patched["nemo_rl/models/megatron/setup.py"]
     assert "logit_dtype" in setup and {"guard-worker", "residual"} <= _markers(setup)
     assert not {"wire-policy", "wire-inference-model"} & _markers(setup)
-    assert "lift-dtensor-refusal" in _markers(patched[UTILS])
+    assert "lift-refusals" in _markers(patched[UTILS])
     assert "keep-fp32patch-vllm" in _markers(patched[PATCHES])
     code, out = cli("verify", "-s", str(newest_checkout), "--patch", "nemo-rl-fp32-lm-head")
     assert code == 0 and out["patches"][0]["status"] == "applied"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import fp32patch
 from fp32patch.patcher.spec import load_specs
@@ -56,6 +57,8 @@ FILES = {
     "megatron_workers": "verl/workers/megatron_workers.py",
     "rollout": "verl/workers/rollout/vllm_rollout/vllm_rollout.py",
     "rollout_spmd": "verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py",
+    "fused_torch": "verl/utils/experimental/torch_functional.py",
+    "fused_triton": "verl/utils/kernel/linear_cross_entropy.py",
 }
 ALL = set(RELEASES)
 LEGACY = {"0.6.1", "0.7.0", "0.7.1"}  # the legacy workers (their files are gone from 0.8.0)
@@ -256,7 +259,7 @@ def _without_ours(node: ast.AST) -> tuple[ast.AST, int]:
 
 def _changed(version: str) -> set[str]:
     """The files the patch changes in ``version``."""
-    keys = {"model", "guard", "fsdp", "megatron", "sglang"}
+    keys = {"model", "guard", "fsdp", "megatron", "sglang", "fused_torch", "fused_triton"}
     keys |= {"server", "extension"} if version in SERVER else set()
     keys |= {"fsdp_workers", "megatron_workers"} if version in LEGACY else set()
     return keys | ({IN_PROCESS[version]} if version in IN_PROCESS else set())
@@ -286,6 +289,17 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
     assert _first_statement(validate) == "_fp32patch_check_config(config)"
     inserted["model"] += 1
     inserted["guard"] += 1
+    # the fused kernels: fp32patch's path first in FusedLinearForPPO.forward (torch, liger), and
+    # linear_cross_entropy (triton) wrapped right where the module binds it
+    forward = _method(trees["fused_torch"], "FusedLinearForPPO", "forward")
+    assert _first_statement(forward).startswith(
+        "_fp32patch_out = _fp32patch_fused_logprobs(hidden_states, vocab_weights"
+    )
+    inserted["fused_torch"] += 2
+    module = [ast.unparse(n) for n in trees["fused_triton"].body]
+    at = module.index("linear_cross_entropy = LinearCrossEntropy.apply")
+    assert module[at + 1] == "linear_cross_entropy = _fp32patch_linear_cross_entropy(linear_cross_entropy)"
+    inserted["fused_triton"] += 1
     if version in SERVER:  # the probe's method in the worker extension, right after verl's monkey_patch_model
         extension = next(n for n in trees["extension"].body if getattr(n, "name", "") == "vLLMColocateWorkerExtension")
         names = [n.name for n in extension.body if isinstance(n, ast.FunctionDef)]
@@ -380,6 +394,11 @@ def _run_gate_off(source: bytes) -> list[str]:
             asyncio.run(ns["_fp32patch_probe_server"](engine, model, "vLLM rollout server"))
             assert ns["_fp32patch_sglang_args"](args, model, object) is args and args == {"tp_size": 1}
             assert ns["_fp32patch_probe_model"](module, model, "vLLM rollout worker") is None
+    # the fused kernels: no head is wired, so verl's own kernel gets the call, untouched
+    stock_calls = []
+    wrapped = ns["_fp32patch_linear_cross_entropy"](lambda *args: stock_calls.append(args) or "stock")
+    assert wrapped("h", "w", "labels") == "stock" and stock_calls == [("h", "w", "labels", 1.0, "none", None)]
+    assert ns["_fp32patch_fused_logprobs"](object(), object(), object(), 0.7, "torch") is None
     for config in (
         {"actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"name": "vllm"}}},
         {
@@ -470,3 +489,120 @@ def test_a_release_before_the_range_is_refused(version, tmp_path, cli):
     assert (entry["status"], entry["version"]) == ("unsupported-version", version)
     assert "verl >=0.6.1" in entry["message"]
     assert tree_digest(root) == before
+
+
+# ---------------------------------------------------------------- the fused kernels, run
+
+
+V_FUSED, H_FUSED = 96, 32
+
+
+class _TinyLM(torch.nn.Module):
+    """What verl's fused forward reads of a causal LM: its head (``lm_head``), tied or not."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.embed_tokens = torch.nn.Embedding(V_FUSED, H_FUSED, dtype=torch.bfloat16)
+        self.lm_head = torch.nn.Linear(H_FUSED, V_FUSED, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.randn(V_FUSED, H_FUSED, generator=gen) * 0.6)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(torch.randn(V_FUSED, H_FUSED, generator=gen) * 0.6)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+def _fused_inputs():
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, 40, H_FUSED, generator=gen).bfloat16()  # verl's packed batch of one row
+    return hidden, torch.randint(0, V_FUSED, (1, 40), generator=gen)
+
+
+def _fused_reference(hidden, weight, ids, temperature):
+    z = hidden.double() @ weight.detach().double().t() / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    return logp.gather(-1, ids[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
+def _load(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", params=["0.7.1", "0.9.1"])
+def fused_modules(request, tmp_path_factory):
+    """verl's torch_functional.py and linear_cross_entropy.py, stock and patched, imported."""
+    from tests.conftest import Cli
+
+    version = request.param
+    stock, patched = (_root(version, tmp_path_factory.mktemp(name)) for name in ("stock", "patched"))
+    code, out = Cli().json("apply", "-s", patched, "--patch", SPEC)
+    assert code == 0, out
+    return {
+        "version": version,
+        **{
+            f"{kind}_torch": _load(root / FILES["fused_torch"], f"verl_tf_{kind}_{version}")
+            for kind, root in (("stock", stock), ("patched", patched))
+        },
+        "patched_triton": _load(patched / FILES["fused_triton"], f"verl_lce_{version}"),
+    }
+
+
+def _ppo(module, weight, backend="torch"):
+    hidden, ids = _fused_inputs()
+    hidden.requires_grad_()
+    fused = (
+        module.FusedLinearForPPO(impl_backend=backend)
+        if "impl_backend" in module.FusedLinearForPPO.__init__.__code__.co_varnames
+        else module.FusedLinearForPPO()
+    )
+    log_probs, entropy = fused.forward(hidden, weight, ids, temperature=0.7)
+    (log_probs.sum() + 0.3 * entropy.float().sum()).backward()
+    return log_probs, entropy, hidden, ids
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_without_a_wired_head_the_fused_kernel_is_verls_bit_for_bit(fused_modules, tied):
+    outputs = []
+    for kind in ("stock", "patched"):
+        model = _TinyLM(tied)
+        log_probs, entropy, hidden, _ = _ppo(fused_modules[f"{kind}_torch"], model.lm_head.weight)
+        outputs.append((log_probs, entropy, hidden.grad, model.lm_head.weight.grad))
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_wired_head_gets_fp32_log_probs_and_entropy_from_every_backend(fused_modules, tied):
+    from fp32patch.runtime.verl import wire_hf
+
+    stock = _TinyLM(tied)
+    hidden, ids = _fused_inputs()
+    want_logp, want_entropy = _fused_reference(hidden, stock.lm_head.weight, ids, 0.7)
+    stock_logp, stock_entropy, _, _ = _ppo(fused_modules["stock_torch"], stock.lm_head.weight)
+    stock_error = (stock_logp.double() - want_logp).abs().max()
+    backends = ["torch", "liger"] if fused_modules["version"] == "0.9.1" else ["torch"]
+    for backend in backends:
+        model = wire_hf(_TinyLM(tied), {"fp32_lm_head": "fp32out"}, role="actor")
+        log_probs, entropy, hidden, ids = _ppo(fused_modules["patched_torch"], model.lm_head.weight, backend)
+        assert log_probs.dtype == entropy.dtype == torch.float32 and log_probs.shape == ids.shape
+        error = (log_probs.double() - want_logp).abs().max()
+        assert error < 1e-5 and stock_error > 100 * error, (backend, error, stock_error)
+        assert (entropy.double() - want_entropy).abs().max() < 1e-5
+        assert hidden.grad is not None and model.lm_head.weight.grad.any()
+    # triton's linear_cross_entropy, called as verl's FSDP forward calls it: flat, as the kernel's
+    model = wire_hf(_TinyLM(tied), {"fp32_lm_head": "fp32out"}, role="ref")
+    hidden, ids = _fused_inputs()
+    log_probs, entropy = fused_modules["patched_triton"].linear_cross_entropy(
+        hidden, model.lm_head.weight, ids, 0.7, "none"
+    )
+    assert log_probs.shape == entropy.shape == (ids.numel(),)
+    assert (log_probs.double() - want_logp.reshape(-1)).abs().max() < 1e-5

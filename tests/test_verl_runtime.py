@@ -148,19 +148,36 @@ def test_valid_configs_and_what_they_ask_for(cfg, environ, expected, vllm_versio
     assert validate_fp32_lm_head_config(cfg, environ=environ) == expected
 
 
-def test_triton_fused_kernels_are_accepted_with_a_note():
-    settings = validate_fp32_lm_head_config(
-        verl("fp32out", use_fused_kernels=True, fused_kernel_options={"impl_backend": "triton"}), environ={}
+@pytest.mark.parametrize("backend", ["torch", "liger", "triton"])
+@pytest.mark.parametrize("where", ["model", "actor"])
+def test_fused_kernels_on_fsdp_are_accepted_and_computed_by_fp32patch(backend, where):
+    fused = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": backend}}
+    cfg = (
+        verl("fp32out", **fused)
+        if where == "model"
+        else verl("fp32out", actor={"use_fused_kernels": True}, fused_kernel_options={"impl_backend": backend})
     )
-    assert (settings.mode, settings.fused, settings.vllm) == ("fp32out", "triton", "1")
+    settings = validate_fp32_lm_head_config(cfg, environ={})
+    assert (settings.mode, settings.fused, settings.vllm) == ("fp32out", backend, "1")
     [note] = settings.notes
-    assert "triton" in note and "fp32" in note and "the reference policy" in note
+    assert f"use_fused_kernels ({backend})" in note and "fp32patch's chunked fp32 log-probs in mode 'fp32out'" in note
+    assert ("does not run" in note) == (backend != "torch")
 
 
-def test_megatron_fused_kernels_are_triton_whatever_the_option_says():
+def test_megatron_fused_kernels_are_verls_triton_kernel_and_the_note_says_what_it_computes():
     cfg = verl("fp32out", strategy="megatron", use_fused_kernels=True, fused_kernel_options={"impl_backend": "torch"})
     settings = validate_fp32_lm_head_config(cfg, environ={})
-    assert settings.fused == "triton" and len(settings.notes) == 1
+    assert settings.fused == "triton"
+    [note] = settings.notes
+    assert "fused triton kernel" in note and "'fp32out' does not apply there" in note
+    assert "rounds the gradient with respect to the logits to bf16" in note and "9504" in note
+    assert "use_fused_kernels to false" in note
+
+
+def test_a_backend_verl_does_not_fuse_leaves_the_head_to_compute():
+    cfg = verl("fp32out", use_fused_kernels=True, fused_kernel_options={"impl_backend": "cuda"})
+    [note] = validate_fp32_lm_head_config(cfg, environ={}).notes
+    assert "'cuda', which verl does not fuse" in note
 
 
 def test_the_notes_are_not_part_of_equality():
@@ -207,22 +224,6 @@ RUNTIME_ENV = f"ray_kwargs.ray_init.runtime_env.env_vars.{VAR}"
             for strategy in ("veomni", "torchtitan", "automodel")
         ),
         (verl("fp32out", ref_strategy="veomni"), {}, ["actor_rollout_ref.ref.strategy is 'veomni'"]),
-        # fused kernels that never call the head
-        (
-            verl("fp32out", use_fused_kernels=True),
-            {},
-            ["use_fused_kernels and the 'torch' backend", "lm_head.weight in bf16", "impl_backend to triton"],
-        ),
-        (
-            verl("fp32out", use_fused_kernels=True, fused_kernel_options={"impl_backend": "liger"}),
-            {},
-            ["use_fused_kernels and the 'liger' backend", "never calls the head"],
-        ),
-        (
-            verl("fp32out", actor={"use_fused_kernels": True}),
-            {},
-            ["use_fused_kernels and the 'torch' backend"],
-        ),
         # a rollout without an fp32 head
         *(
             (
@@ -330,7 +331,7 @@ def test_check_config_logs_what_runs_and_the_notes(log_lines):
     assert settings.fused == "triton"
     lines = log_lines()
     assert [level for level, _ in lines] == ["WARNING", "INFO"]
-    assert lines[0][1].startswith("fp32patch (validate_config): fused kernels (triton)")
+    assert lines[0][1].startswith("fp32patch (validate_config): use_fused_kernels (triton): the log-probs")
     assert lines[1][1] == (
         f"fp32patch (validate_config): fp32 LM head 'fp32out' on the actor and the ref; {VAR}=1 in every vLLM "
         "rollout process"
@@ -769,3 +770,30 @@ def test_what_the_gate_lets_through_the_runtime_runs_or_refuses(value):
         except Fp32LmHeadConfigError:
             continue
         assert mode in ("fp32", "tf32", "fp32out")
+
+
+# ---------------------------------------------------------------- the fused kernels' runtime
+
+
+def test_fused_logprobs_runs_only_for_a_wired_heads_weight_and_refuses_what_it_does_not_compute():
+    import torch
+
+    from fp32patch.runtime.verl import fused_logprobs, wire_hf
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = torch.nn.Linear(8, 20, bias=False, dtype=torch.bfloat16)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    hidden, ids = torch.randn(2, 5, 8).bfloat16(), torch.randint(0, 20, (2, 5))
+    assert fused_logprobs(hidden, LM().lm_head.weight, ids, 0.7, backend="torch") is None
+    model = wire_hf(LM(), {"fp32_lm_head": "fp32out-bf16grad"}, role="actor")
+    log_probs, entropy = fused_logprobs(hidden, model.lm_head.weight, ids, 0.7, backend="torch")
+    logp = torch.log_softmax(hidden.double() @ model.lm_head.weight.double().t() / 0.7, dim=-1)
+    assert (log_probs.double() - logp.gather(-1, ids[..., None])[..., 0]).abs().max() < 1e-5
+    assert (entropy.double() + (logp.exp() * logp).sum(-1)).abs().max() < 1e-5
+    with pytest.raises(NotImplementedError, match="reduction='sum'"):
+        fused_logprobs(hidden, model.lm_head.weight, ids, 0.7, backend="triton", reduction="sum")

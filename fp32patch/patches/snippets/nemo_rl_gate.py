@@ -160,3 +160,46 @@ def _fp32patch_manages_vllm(get_vllm_file):
         except (RuntimeError, OSError):
             continue
     return False
+
+
+def _fp32patch_loaded():
+    """fp32patch's NeMo-RL runtime where this process has imported it already (a config asked for
+    it, and only then can a model be wired), else None; never imports it."""
+    import sys
+
+    return sys.modules.get("fp32patch.runtime.nemo_rl")
+
+
+def _fp32patch_fused_logprobs(model, hidden_states, labels):
+    """NeMo-RL's fused log-probs at fp32 grade, where the model's output layer gives fp32 logits
+    (fp32patch's wiring, or NeMo-RL's own logit_dtype); None: the stock fused path runs."""
+    runtime = _fp32patch_loaded()
+    return None if runtime is None else runtime.fused_logprobs(model, hidden_states, labels)
+
+
+def _fp32patch_fused_temperature(sampling_params):
+    """The training temperature, for fp32patch's fused log-probs to apply to the fp32 logits."""
+    runtime = _fp32patch_loaded()
+    if runtime is not None:
+        runtime.fused_temperature(sampling_params)
+
+
+def _fp32patch_temperature_applied(logits, sampling_params):
+    """Whether ``logits`` are fp32patch's fused log-probs, whose logits the temperature has divided
+    already (NeMo-RL's own fused path has it divide the log-probs instead)."""
+    if getattr(logits, "_fp32patch_temperature", None) is None:
+        return False
+    _fp32patch_runtime("megatron worker").check_fused_temperature(logits, sampling_params)
+    return True
+
+
+def _fp32patch_without_fused(config):
+    """``config`` as NeMo-RL's own fp32 LM-head check (after its rework) is to see it once
+    fp32patch's guard has passed it: without the fused log-prob switch, which upstream refuses
+    with its fp32 head and fp32patch computes at fp32 grade. The caller's config is not changed."""
+    names = ("use_fused_linear_logprobs", "use_linear_ce_fusion_loss")
+    megatron_cfg = _fp32patch_get(config, "megatron_cfg")
+    if not hasattr(megatron_cfg, "items") or not any(_fp32patch_get(megatron_cfg, n) for n in names):
+        return config
+    trimmed = {key: value for key, value in megatron_cfg.items() if key not in names}
+    return {**dict(config.items()), "megatron_cfg": trimmed}

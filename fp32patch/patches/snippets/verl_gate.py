@@ -92,3 +92,30 @@ def _fp32patch_probe_model(model, model_config, where):
     """fp32patch's startup probe of a vLLM model loaded in this process."""
     if _fp32patch_asked(model_config):
         _fp32patch_runtime(where).probe_model(model, model_config, where=where)
+
+
+def _fp32patch_fused_logprobs(hidden, weight, targets, temperature, backend, reduction="none", group=None):
+    """fp32patch's log-probs and entropy of verl's fused path where ``weight`` is an LM head
+    fp32patch wired; None: verl's own kernel runs. fp32patch is never imported here: a head can
+    only be wired where something imported it already."""
+    import sys
+
+    runtime = sys.modules.get("fp32patch.runtime.verl")
+    if runtime is None:
+        return None
+    return runtime.fused_logprobs(
+        hidden, weight, targets, temperature, backend=backend, reduction=reduction, group=group
+    )
+
+
+def _fp32patch_linear_cross_entropy(stock):
+    """verl's linear_cross_entropy (the triton backend's kernel) with fp32patch's fused log-probs
+    where the weight is an LM head fp32patch wired, shaped as the kernel's (flat)."""
+
+    def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+        ours = _fp32patch_fused_logprobs(hidden, weight, labels, temperature, "triton", reduction, dist_process_group)
+        if ours is None:
+            return stock(hidden, weight, labels, temperature, reduction, dist_process_group)
+        return ours[0].reshape(-1), ours[1].reshape(-1)
+
+    return linear_cross_entropy

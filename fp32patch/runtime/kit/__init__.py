@@ -13,6 +13,10 @@ The kit (pure Python, no torch at import):
   SGLang's ``enable_fp32_lm_head``; the installed vLLM's release under any distribution name.
 - ``kit.probe``: the startup probe's RPC name and verdicts: the workers' reports held to one
   expectation, one line per disagreeing worker, the refusal.
+- ``kit.fused``: the heads ``Stack.wire`` wired, found again from the weight a stack's fused
+  log-prob path reads (``wired_mode(weight)``): such a path never calls the head, so the stack
+  computes it with ``kernels.chunked_logprobs`` in that head's mode, and any other weight keeps
+  the stack's own kernel.
 
 What a stack provides (``fp32patch/runtime/<stack>/``, each file short; NeMo-RL, verl and TRL
 are the examples to copy):
@@ -21,7 +25,8 @@ are the examples to copy):
    **kw) -> Settings`` (a frozen dataclass with ``notes``): where its trainer switch lives and
    which trainers it wires (refuse the rest), what turns the rollout's switch on (``kit.rollout``),
    what one side alone means there, fused log-prob paths (fp32-grade through
-   ``kernels.chunked_logprobs``, or refused, never silently bf16); and ``check_config(config,
+   ``kernels.chunked_logprobs`` where ``kit.fused.wired_mode`` or the model's own head says the
+   logits are fp32, or refused, never silently bf16); and ``check_config(config,
    where=...) = STACK.guard(rules, config, where=where)``.
 2. ``wiring.py``: thin adapters, one per place the stack builds a trainer model
    (``STACK.wire(model, mode, trainer=..., role=...)``) or starts a rollout

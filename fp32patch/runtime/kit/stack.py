@@ -59,7 +59,8 @@ class Stack:
         """Give ``role``'s model (``"actor"``, ``"DTensor policy"``) fp32 logits in ``mode`` (None:
         leave it as it is) through the trainer's head: ``"megatron"`` (the chunk list from
         ``get_model``, or one module; ``heads.megatron``) or ``"hf"`` (a PyTorch/HF model, FSDP-
-        or TP-wrapped; ``heads.hf``). Logs one line naming the role; returns ``model``."""
+        or TP-wrapped; ``heads.hf``). The wired heads are remembered for the stack's fused
+        log-prob paths (``kit.fused.wired_mode``). Logs one line naming the role; returns ``model``."""
         if mode is None:
             return model
         if trainer == "megatron":
@@ -77,5 +78,8 @@ class Stack:
             what = f"LM head gives fp32 logits (mode {mode!r}): {shown} of {type(model).__name__}"
         else:
             raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
+        from fp32patch.runtime.kit.fused import remember
+
+        remember(model, trainer)  # for the stack's fused log-prob paths, which never call the head
         self.logger.info("fp32patch: the %s's %s", role, what)
         return model

@@ -13,8 +13,12 @@ raises ``Fp32LmHeadConfigError`` unless
 - the trainer's switch sits under the backend that trains: a switch under a disabled backend
   (``megatron_cfg.enabled: false``, or the other backend enabled) is an error naming the
   enabled one, since nothing would apply it;
-- Megatron's is off when ``megatron_cfg.use_fused_linear_logprobs`` is true (that path computes
-  log-probs from the hidden states and the output weight directly, bypassing the output layer);
+- with Megatron's on, ``megatron_cfg.use_fused_linear_logprobs`` (``use_linear_ce_fusion_loss``
+  before July 2026) is accepted: that path computes log-probs from the hidden states and the
+  output weight and never calls the output layer, and the patched fused forward computes them at
+  fp32 grade in the head's mode (``nemo_rl.fused``). Where this process has imported NeMo-RL's
+  fused forward or its temperature scaling unpatched (an image patched before fp32patch knew
+  the fused path), the combination is refused: it would compute bf16 logits;
 - when generation runs vLLM (``generation.backend`` "vllm", or "dynamo", whose managed fleet is
   vLLM started with the same ``vllm_cfg``), vLLM's switch is on exactly when the trainer's is,
   unless ``policy.allow_one_sided_fp32_lm_head: true`` accepts one side alone (with a warning
@@ -127,7 +131,7 @@ def validate_fp32_lm_head_config(
     modes = {name: _trainer_mode(section, name, prefix) for name, section in sections.items()}
     trainer = _trainer_section(sections, modes, prefix)
     if modes["megatron_cfg"] is not None:
-        _check_not_fused(sections["megatron_cfg"], prefix)
+        _check_fused_path_patched(sections["megatron_cfg"], prefix)
     mode = modes[trainer] if trainer is not None else None
     allow = _one_sided_allowed(cfg, prefix)
     settings = {"megatron": modes["megatron_cfg"], "dtensor": modes["dtensor_cfg"], "section": trainer}
@@ -222,16 +226,34 @@ def _trainer_section(
     return enabled
 
 
-def _check_not_fused(megatron: Mapping[str, Any], prefix: str) -> None:
-    """Refuse an fp32 output layer that Megatron's fused log-prob path would bypass."""
-    key = f"{prefix}megatron_cfg"
-    fused = megatron.get("use_fused_linear_logprobs", False)
-    if fused:
+# NeMo-RL's switch of its fused log-prob path (use_linear_ce_fusion_loss from 2026-03-19, renamed
+# on 2026-07-04), and the modules of the path with the name fp32patch's gate defines in each
+FUSED_KEYS = ("use_fused_linear_logprobs", "use_linear_ce_fusion_loss")
+_FUSED_FILES = {
+    "nemo_rl.distributed.model_utils": ("_gpt_forward_with_linear_ce_fusion", "_fp32patch_fused_logprobs"),
+    "nemo_rl.models.megatron.train": ("apply_temperature_scaling", "_fp32patch_temperature_applied"),
+}
+
+
+def _check_fused_path_patched(megatron: Mapping[str, Any], prefix: str) -> None:
+    """With the fp32 head on, NeMo-RL's fused log-prob path must be fp32patch's: refuse it where
+    this process imported NeMo-RL's fused forward, or the temperature scaling after it, as
+    upstream wrote them (its bf16 logits; the fused log-probs divided by the temperature)."""
+    import sys
+
+    key = next((k for k in FUSED_KEYS if megatron.get(k)), None)
+    if key is None:
+        return
+    for name, (upstream, ours) in _FUSED_FILES.items():
+        module = sys.modules.get(name)
+        if module is None or not hasattr(module, upstream) or hasattr(module, ours):
+            continue
+        where = getattr(module, "__file__", name)
         raise Fp32LmHeadConfigError(
-            f"{key}.fp32_lm_head is on together with {key}.use_fused_linear_logprobs = "
-            f"{fused!r}: the fused path computes log-probs from the hidden states and the "
-            "output weight directly, so the fp32 output layer would never run. Set "
-            f"{key}.use_fused_linear_logprobs to false, or {key}.fp32_lm_head to false"
+            f"{prefix}megatron_cfg.fp32_lm_head is on together with {prefix}megatron_cfg.{key}, but "
+            f"NeMo-RL's fused log-prob path in {where} is not patched by fp32patch: it would compute bf16 "
+            f"logits (and divide the log-probs, not the logits, by the temperature). Run fp32patch apply on "
+            f"this NeMo-RL checkout, or set {prefix}megatron_cfg.{key} to false"
         )
 
 

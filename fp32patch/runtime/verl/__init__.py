@@ -14,6 +14,9 @@ stack's (``fp32patch.runtime.heads``), as is the worker-side measurement (``head
 - ``sglang_args(args, model_config, ServerArgs, where=...)``: before SGLang's ``ServerArgs(**args)``.
 - ``probe_vllm_model(model)`` in each vLLM worker (``PROBE_RPC``), and ``probe_server`` in the server;
   ``probe_model`` where vLLM runs in the trainer's process (0.6.1, 0.7.0).
+- ``fused_logprobs(hidden, weight, targets, temperature, backend=...)``: verl's fused kernels
+  (``use_fused_kernels``: torch, liger, triton) at fp32 grade on a wired head (``verl.fused``);
+  None for any other weight.
 
 Importing this module imports neither torch, vLLM nor verl.
 """
@@ -25,6 +28,7 @@ from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
 from fp32patch.runtime.kit.probe import PROBE_RPC
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, VerlSettings, check_config, validate_fp32_lm_head_config
+from fp32patch.runtime.verl.fused import fused_logprobs
 from fp32patch.runtime.verl.probe import check_reports, probe_model, probe_server
 from fp32patch.runtime.verl.wiring import set_vllm_env, sglang_args, wire_hf, wire_megatron
 
@@ -37,6 +41,7 @@ __all__ = [
     "VerlSettings",
     "check_config",
     "check_reports",
+    "fused_logprobs",
     "probe_model",
     "probe_server",
     "probe_vllm_model",

@@ -12,12 +12,12 @@ misspelt key; on the command line it needs Hydra's ``+`` (``+actor_rollout_ref.m
 - the trainer is one fp32patch wires: ``actor_rollout_ref.actor.strategy`` (and the ref's)
   fsdp, fsdp2, fsdp_turbo or megatron; VeOmni, TorchTitan and Automodel build their models
   elsewhere, and a head nobody wires would leave the trainer in bf16;
-- the log-probs come from the head: ``use_fused_kernels`` with the ``torch`` or ``liger``
-  backend computes bf16 logits from ``lm_head.weight`` and never calls the head. The
-  ``triton`` backend (and Megatron's fused path, always triton) is accepted: its
-  ``linear_cross_entropy`` accumulates the bf16 GEMM in fp32 and never rounds the logits to
-  bf16, which is what fp32out's forward computes; the head override does not run there, and a
-  log line says so;
+- ``use_fused_kernels`` (verl's fused log-prob paths, which read ``lm_head.weight`` and never
+  call the head) is accepted, and what computes the log-probs is said in a note: on the FSDP
+  strategies every backend (``torch``, ``liger``, ``triton``) is computed by fp32patch's chunked
+  fp32 log-probs in the key's mode, entropy included (``verl.fused``); on Megatron verl's fused
+  path is its triton kernel, kept as it is: fp32 logits never rounded to bf16 in the forward, and
+  a backward that is not the key's mode (``TRITON_BACKWARD`` says what it is);
 - the rollout can follow: vLLM (fp32patch's vLLM patches) or SGLang (0.5.3+'s own switch); TRT-LLM
   has no fp32 LM head. With vLLM, LoRA as an adapter (``lora_rank`` or ``lora.rank`` > 0, not
   ``lora.merge``) runs vLLM's LoRA logits processor, which keeps its bf16 head up to vLLM 0.25
@@ -52,6 +52,16 @@ ROLLOUTS: tuple[str, ...] = ("vllm", "sglang")
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
 RUNTIME_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 RUNTIME_ENV = f"{RUNTIME_ENV_VARS}.{VLLM_ENV_VAR}"
+# verl's triton kernel (verl/utils/kernel/kernels.py, its default backward, read in 0.6.1-0.9.1),
+# which its Megatron engine's fused path always runs
+TRITON_BACKWARD = (
+    "its forward accumulates the bf16 GEMM in fp32 and never rounds the logits to bf16 (fp32out's "
+    "forward); its backward is not the key's mode: it rounds the gradient with respect to the logits to "
+    "bf16 (the rounding fp32out-bf16grad has, 1.68e-3 relative weight-gradient error at the H200 "
+    "benchmark's workload against fp32out's 2.09e-4, bench/RESULTS.md), returns the weight gradient of a "
+    "bf16 GEMM rounded to bf16, and sums the input gradient in bf16 over vocabulary splits of 9504 entries "
+    "(16 partial sums at a 152k vocabulary); the kernel itself is not measured by fp32patch"
+)
 # the last vLLM release whose LoRA logits processor keeps its own (bf16) head under fp32patch
 LAST_BF16_LORA_VLLM = (0, 25)
 
@@ -66,8 +76,8 @@ class VerlSettings:
     ``mode``: the actor's and the ref's head (None: off). ``rollout``: the rollout's name.
     ``vllm``: the ``NRL_VLLM_FP32_LM_HEAD`` value the vLLM servers' processes get (None: the
     rollout is not vLLM, or off). ``sglang``: SGLang's ``enable_fp32_lm_head``. ``fused``: the
-    fused-kernel backend that computes the actor's log-probs instead of the head ("triton"),
-    if any. ``notes``: lines for the log (not part of equality).
+    fused-kernel backend of ``use_fused_kernels`` ("torch", "liger", "triton"), if on.
+    ``notes``: lines for the log (not part of equality).
     """
 
     mode: str | None
@@ -125,19 +135,7 @@ def validate_fp32_lm_head_config(
     notes: list[str] = []
     fused = _fused_backend(arr, model)
     if fused is not None:
-        if fused != "triton":
-            raise Fp32LmHeadConfigError(
-                f"{KEY} is {mode!r} together with actor_rollout_ref.model.use_fused_kernels and the "
-                f"{fused!r} backend: that path computes the log-probs from lm_head.weight in bf16 and never "
-                "calls the head, so they would stay bf16-rounded. Set "
-                "actor_rollout_ref.model.fused_kernel_options.impl_backend to triton (fp32 accumulation, no "
-                f"bf16 logits), or use_fused_kernels to false, or {KEY} to false"
-            )
-        notes.append(
-            "fused kernels (triton) compute the actor's log-probs: their linear_cross_entropy accumulates "
-            "the bf16 GEMM in fp32 and never rounds the logits to bf16, as fp32out's forward does; the "
-            "fp32 head runs where verl calls the head (the reference policy, non-fused passes)"
-        )
+        notes.append(_fused_note(fused, mode, section(arr, "actor", "actor_rollout_ref.").get("strategy")))
 
     vllm = sglang = None
     if rollout == "vllm":
@@ -203,6 +201,30 @@ def _fused_backend(arr: Mapping[str, Any], model: Mapping[str, Any]) -> str | No
     options = model.get("fused_kernel_options") or {}
     backend = options.get("impl_backend") if isinstance(options, Mapping) else None
     return str(backend or "torch")
+
+
+# the fused-kernel backends verl's FSDP model forward takes (0.6-0.7: torch and triton; 0.9: liger too)
+FUSED_BACKENDS = ("torch", "liger", "triton")
+
+
+def _fused_note(backend: str, mode: str, strategy: Any) -> str:
+    """What computes the actor's and the ref's log-probs where ``use_fused_kernels`` is on."""
+    if strategy == "megatron":
+        return (
+            "use_fused_kernels on Megatron: verl computes the log-probs with its fused triton kernel "
+            f"(linear_cross_entropy), not through the head, so {KEY}={mode!r} does not apply there: "
+            f"{TRITON_BACKWARD}. Set actor_rollout_ref.model.use_fused_kernels to false for the key's mode"
+        )
+    if backend not in FUSED_BACKENDS:
+        return (
+            f"use_fused_kernels with impl_backend {backend!r}, which verl does not fuse: the fp32 head "
+            "computes the logits"
+        )
+    replaced = "" if backend == "torch" else f" (verl's {backend} kernel does not run)"
+    return (
+        f"use_fused_kernels ({backend}): the log-probs and the entropy come from fp32patch's chunked fp32 "
+        f"log-probs in mode {mode!r}, the temperature applied to the fp32 logits{replaced}"
+    )
 
 
 def _check_lora(model: Mapping[str, Any], mode: str) -> None:

@@ -122,7 +122,6 @@ def test_a_misspelt_key_is_refused(root, model_dir):
     [
         (["actor_rollout_ref.rollout.name=trtllm"], "actor_rollout_ref.rollout.name is 'trtllm'"),
         (["actor_rollout_ref.actor.strategy=veomni"], "actor_rollout_ref.actor.strategy is 'veomni'"),
-        (["actor_rollout_ref.model.use_fused_kernels=true"], "use_fused_kernels and the 'torch' backend"),
         (["actor_rollout_ref.model.lora_rank=8"], "LoRA adapter on the vLLM rollout (rank 8)"),
     ],
 )
@@ -136,10 +135,12 @@ def test_an_invalid_value_is_refused_with_the_valid_ones(root, model_dir):
     assert "Fp32LmHeadConfigError" in err and "'fp64'" in err and "fp32out" in err
 
 
-def test_the_triton_fused_kernels_are_accepted(root, model_dir):
+@pytest.mark.parametrize("backend", ["torch", "liger", "triton"])
+def test_the_fused_kernels_are_accepted(root, model_dir, backend):
+    # fp32patch computes their log-probs on the wired head (tests/heavy/verl/test_verl_fused.py)
     extra = [
         "actor_rollout_ref.model.use_fused_kernels=true",
-        "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+        f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend}",
     ]
     assert "fp32_lm_head: 'fp32out'" in accepted(verl_run(root, ON, *overrides(model_dir), *extra))
 

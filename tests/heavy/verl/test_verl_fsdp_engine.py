@@ -115,7 +115,7 @@ def test_switch_off_never_imports_fp32patch(patched):
     for results in patched:
         assert results["modules"][0] == []
         # and the runs with the switch on did
-        assert "fp32patch.runtime.hf_lm_head" in results["modules"][1]
+        assert "fp32patch.runtime.heads.hf" in results["modules"][1]
 
 
 def test_the_stock_heads_logits_are_bf16(stock):

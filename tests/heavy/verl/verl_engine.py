@@ -32,11 +32,20 @@ LENGTHS = (9, 12, 7, 10)
 MICRO = 2
 
 
-def run(name: str, strategy: str, key=None, role: str = "actor", train: bool = True, shims: bool = True) -> dict:
+def run(
+    name: str,
+    strategy: str,
+    key=None,
+    role: str = "actor",
+    train: bool = True,
+    shims: bool = True,
+    fused: str | None = None,
+) -> dict:
     """One engine run. ``key``: actor_rollout_ref.model.fp32_lm_head as passed to
     HFModelConfig (None: not passed at all; the unpatched HFModelConfig has no such field).
     ``shims``: lift the two CPU-only refusals (``cpu_shims``) verl's FSDP1 and its reference
-    policy's FSDP2 offload meet on a machine without an accelerator."""
+    policy's FSDP2 offload meet on a machine without an accelerator. ``fused``: verl's fused
+    kernels on (``use_fused_kernels``) with this ``impl_backend``, the entropy asked for too."""
     return {
         "name": name,
         "strategy": strategy,
@@ -44,6 +53,7 @@ def run(name: str, strategy: str, key=None, role: str = "actor", train: bool = T
         "role": role,
         "train": train and role == "actor",
         "shims": shims,
+        "fused": fused,
     }
 
 
@@ -116,6 +126,8 @@ def _one_run(rank: int, spec: dict, job: dict, lifted: list[str]) -> dict:
     )
     if spec["key"] is not None:
         model["fp32_lm_head"] = spec["key"]
+    if spec["fused"] is not None:
+        model.update(use_fused_kernels=True, fused_kernel_options={"impl_backend": spec["fused"]})
     if critic and "model_type" in HFModelConfig.__dataclass_fields__:
         model["model_type"] = "value_model"  # verl 0.9 (0.7: the checkpoint's architecture decides)
         _value_model_without_flash_attention()
@@ -153,12 +165,18 @@ def _one_run(rank: int, spec: dict, job: dict, lifted: list[str]) -> dict:
     }
     calls = watch(head)
     dtypes = watch_outputs(engine)
+    fused_inputs = watch_fused_inputs(inner, head) if spec["fused"] else []
 
     with engine.eval_mode():
-        result = engine.infer_batch(batch(rank))
+        result = engine.infer_batch(batch(rank, spec["fused"]))
     output = result["model_output"]
     values = output["values" if critic else "log_probs"]
     out["infer"] = (values.values() if values.is_nested else values).detach().clone()
+    if spec["fused"]:
+        entropy = output["entropy"]
+        out["infer_entropy"] = (entropy.values() if entropy.is_nested else entropy).detach().clone()
+        out["infer_fused_inputs"] = list(fused_inputs)
+        fused_inputs.clear()
     out["infer_head"], out["infer_logits_dtypes"] = list(calls), list(dtypes)
     calls.clear()
     dtypes.clear()
@@ -166,7 +184,7 @@ def _one_run(rank: int, spec: dict, job: dict, lifted: list[str]) -> dict:
     if spec["train"]:
         before = params(engine)
         with engine.train_mode():
-            trained = engine.train_batch(batch(rank), loss_function=partial(sft_loss, config=None))
+            trained = engine.train_batch(batch(rank, spec["fused"]), loss_function=partial(sft_loss, config=None))
         engine.lr_scheduler_step()
         after = params(engine)
         out["update"] = {n: after[n] - before[n] for n in before}
@@ -177,9 +195,10 @@ def _one_run(rank: int, spec: dict, job: dict, lifted: list[str]) -> dict:
     return out
 
 
-def batch(rank: int):
+def batch(rank: int, fused: str | None = None):
     """Each rank's batch, as verl's trainer hands it to the engine: jagged input ids, positions
-    and a loss mask (prompt tokens out), the temperature and micro-batching as non-tensor data."""
+    and a loss mask (prompt tokens out), the temperature and micro-batching as non-tensor data
+    (with ``fused``: the fused kernels on, and the entropy asked for)."""
     from verl.utils import tensordict_utils as tu
 
     generator = torch.Generator().manual_seed(100 + rank)
@@ -200,7 +219,8 @@ def batch(rank: int):
             "use_remove_padding": True,
             "use_dynamic_bsz": False,
             "micro_batch_size_per_gpu": MICRO,
-            "use_fused_kernels": False,
+            "use_fused_kernels": fused is not None,
+            "calculate_entropy": fused is not None,
             "pad_token_id": 0,
         },
     )
@@ -236,11 +256,32 @@ def watch_outputs(engine) -> list[torch.dtype]:
 
     def prepare_model_outputs(*args, **kwargs):
         output = args[0] if args else kwargs["output"]
-        dtypes.append(output.logits.dtype)
+        dtypes.append(getattr(output.logits, "dtype", None))  # None: the fused kernels' output has no logits
         return original(*args, **kwargs)
 
     engine.prepare_model_outputs = prepare_model_outputs
     return dtypes
+
+
+def watch_fused_inputs(inner: torch.nn.Module, head: torch.nn.Module) -> list[dict]:
+    """What the fused kernels are handed in each forward: the decoder's output, the head's weight
+    as the fused forward reads it (right after the decoder, inside the model's forward; gathered
+    whole where FSDP2 holds it sharded) and the input ids, whose next tokens are the targets."""
+    seen: list[dict] = []
+
+    def hook(module, args, kwargs, output):
+        weight = head.weight.detach()
+        seen.append(
+            {
+                "hidden": _local(output[0]).detach().clone(),
+                "w": weight.full_tensor() if hasattr(weight, "full_tensor") else weight.clone(),
+                "w_type": type(head.weight).__name__,
+                "ids": kwargs["input_ids"].detach().clone(),
+            }
+        )
+
+    inner.model.register_forward_hook(hook, with_kwargs=True)
+    return seen
 
 
 def params(engine) -> dict[str, torch.Tensor]:

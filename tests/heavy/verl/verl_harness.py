@@ -87,10 +87,11 @@ def fp32patch_modules() -> list[str]:
 # ---------------------------------------------------------------- the tiny model
 
 
-def save_tiny_qwen2(path: str | Path) -> None:
-    """A real Qwen2ForCausalLM (bf16 config, untied head) with a locally built word-level
-    tokenizer, saved where verl's HFModelConfig loads it: nothing comes from the hub. The head
-    is drawn N(0, 1), so the logits reach |z| ~ 30, where bf16 rounding shows."""
+def save_tiny_qwen2(path: str | Path, tied: bool = False) -> None:
+    """A real Qwen2ForCausalLM (bf16 config, untied head unless ``tied``: the head is then the
+    embedding) with a locally built word-level tokenizer, saved where verl's HFModelConfig loads
+    it: nothing comes from the hub. The head is drawn N(0, 1), so the logits reach |z| ~ 30,
+    where bf16 rounding shows."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -103,7 +104,7 @@ def save_tiny_qwen2(path: str | Path) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
