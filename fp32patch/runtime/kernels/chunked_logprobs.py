@@ -1,0 +1,699 @@
+"""Per-token log-probabilities, and the entropy where a stack needs it, straight from hidden
+states and the LM head's weight, at fp32 grade, without ever holding the [T, V] logits.
+
+``chunked_logprobs(hidden, weight, targets, ...)`` is what every stack's fused log-prob path
+calls (NeMo-RL's ``use_fused_linear_logprobs``, verl's fused kernels, TRL's chunked
+log-probs). For each tile of ``chunk_rows`` tokens by ``chunk_vocab`` vocabulary entries:
+
+- forward: the tile's logits come from ``lm_head_gemm``'s forward GEMM in ``mode``
+  (``fp32out``: ``torch.mm(..., out_dtype=float32)`` on bf16 operands on CUDA, the exact
+  upcast on the CPU), are divided by the temperature in fp32, and are folded into per-token
+  running statistics in fp32 (an online logsumexp: the maximum, the sum of exponentials, the
+  target's logit, and for the entropy the exp-weighted sum of logits). Nothing of the tile is
+  kept;
+- backward: the tile's logits are computed again, turned into the fp32 gradient with
+  respect to the logits (``grad_logp * (onehot - p) - grad_entropy * p * (log p + H)``,
+  divided by the temperature), and handed to ``lm_head_gemm``'s backward GEMMs in ``mode``,
+  the same code the unfused head runs: the weight gradient of a vocabulary block accumulates
+  in fp32 over the tokens (into Megatron's ``main_grad`` when the weight has one and the
+  caller asks for gradient-accumulation fusion) and is delivered once; the input gradient
+  accumulates in fp32 over the vocabulary blocks and is delivered once in the input's dtype.
+
+The tiles go vocabulary block by vocabulary block, tokens inside: then only one block's
+weight gradient is in flight, and a block whose ``chunk_rows`` covers every token gets its
+weight gradient from one GEMM, exactly as the unfused head's backward computes those rows.
+The held memory is the tile, its 16-bit copies in the backward, one block's weight gradient
+and the fp32 input gradient [T, H].
+
+Vocabulary-parallel tensor parallelism (Megatron's ``ColumnParallelLinear`` head): the weight
+is this rank's shard of the vocabulary, ``targets`` are global ids, the target's logit is
+taken on the rank that holds it, and the maximum and the sums are all-reduced over
+``tp_group`` (two collectives per forward, over [T] vectors) and saved for the backward. The
+input gradient is summed over the group in fp32: all-reduced when each rank holds every token,
+reduce-scattered back to the rank's tokens under sequence parallelism, where the forward
+all-gathers the tokens first (as NeMo-RL's fused path does).
+
+On the CPU, or with ``FP32PATCH_TRITON=0``, the per-tile steps run as torch operations and
+the backward hands the fp32 gradient tile to ``lm_head_gemm``'s backward GEMMs. On CUDA they
+are Triton kernels with the same formulas, and in the fp32out modes the fp32 gradient tile is
+never written: one pass over the logits tile takes the gradient's column maxima, a second
+writes the 16-bit copies that fp32out's GEMMs take (the scaled fp16 one and the bf16 one),
+and the products are accumulated in fp32 by the GEMM itself or by fp32out's unscale kernel.
+
+Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
+from fp32patch.runtime.kernels.lm_head_gemm import _backward_gemms, _deliver_weight_grad, _fwd_mm, _precision
+from fp32patch.runtime.modes import MEGATRON_MODES
+
+if TYPE_CHECKING:
+    import torch
+
+# Tile sizes measured on an H200 (bench/fused_logprobs.py, bench/RESULTS.md): tokens and
+# vocabulary entries per tile.
+DEFAULT_CHUNK_ROWS = 8192
+DEFAULT_CHUNK_VOCAB = 16384
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one call computes and how; the autograd Function's non-tensor arguments."""
+
+    mode: str
+    temperature: float
+    entropy: bool
+    group: Any
+    vocab_start: int
+    sequence_parallel: bool
+    fuse_wgrad: bool
+    chunk_rows: int
+    chunk_vocab: int
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    mode: str = "fp32out",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    tp_group: Any = None,
+    vocab_start: int | None = None,
+    sequence_parallel: bool = False,
+    fuse_wgrad: bool = False,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(hidden @ weight.T / temperature)[target] per token, in fp32, differentiable.
+
+    ``hidden`` [..., H] (any leading shape: [T, H], verl's and TRL's [B, S, H], Megatron's
+    [S, B, H]); ``weight`` [V, H], or this rank's [V / tp, H] shard under ``tp_group``;
+    ``targets``: global token ids shaped as ``hidden`` without its last dimension (under
+    ``sequence_parallel``: the whole gathered sequence's, [S, ...], while ``hidden`` holds this
+    rank's [S / tp, ..., H]). A target outside the vocabulary contributes a logit of 0 (its
+    log-prob is then meaningless; mask such tokens in the loss, as the stacks do).
+
+    Returns the log-probs shaped as ``targets`` (fp32), and with ``entropy=True`` also the
+    entropy of each token's distribution (fp32): ``(log_probs, entropy)``.
+
+    ``mode``: the trainer's fp32 head mode (``modes.MEGATRON_MODES``); it sets the GEMMs of both
+    passes as in ``lm_head_gemm``. ``temperature`` divides the fp32 logits. ``tp_group``: the
+    tensor-parallel group whose ranks hold the vocabulary shards (None: the weight is the whole
+    vocabulary); ``vocab_start``: the first vocabulary id of this rank's shard (default: rank x
+    shard rows, Megatron's even split). ``fuse_wgrad``: add the weight gradient into
+    ``weight.main_grad`` (Megatron's gradient-accumulation fusion) when the weight has one.
+    ``chunk_rows`` x ``chunk_vocab``: the tile (defaults: ``DEFAULT_CHUNK_ROWS`` x
+    ``DEFAULT_CHUNK_VOCAB``, measured).
+
+    A ``hidden`` of another dtype than the weight (fp32 hidden states from FSDP2's
+    ``output_dtype``) is cast to the weight's dtype inside the graph, as the fp32 head does.
+    """
+    plan = _plan(
+        hidden, weight, targets, mode, temperature, entropy, tp_group, vocab_start, sequence_parallel,
+        fuse_wgrad, chunk_rows, chunk_vocab,
+    )  # fmt: skip
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    log_probs, ent = _function().apply(hidden, weight, targets, plan)
+    return (log_probs, ent) if entropy else log_probs
+
+
+def _plan(
+    hidden, weight, targets, mode, temperature, entropy, group, vocab_start, sequence_parallel, fuse_wgrad,
+    chunk_rows, chunk_vocab,
+) -> _Plan:  # fmt: skip
+    """Check the call's arguments (a clear error naming the argument, before any work)."""
+    import torch
+
+    if mode not in MEGATRON_MODES:
+        raise ValueError(f"chunked_logprobs: unknown mode {mode!r}; known: {', '.join(MEGATRON_MODES)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"chunked_logprobs: temperature must be a number, not {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"chunked_logprobs: temperature must be finite and > 0, not {temperature!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"chunked_logprobs: weight must be [V, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"chunked_logprobs: hidden {tuple(hidden.shape)} must end in the weight's hidden size {weight.shape[1]}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"chunked_logprobs: targets must be integer token ids, not {targets.dtype}")
+    if hidden.device != weight.device or targets.device != weight.device:
+        raise ValueError(
+            f"chunked_logprobs: hidden ({hidden.device}), weight ({weight.device}) and targets "
+            f"({targets.device}) must be on one device"
+        )
+    world, rank = _world_and_rank(group)
+    if sequence_parallel and group is None:
+        raise ValueError("chunked_logprobs: sequence_parallel needs the tp_group whose ranks hold the sequence")
+    expected = tuple(hidden.shape[:-1])
+    if sequence_parallel:
+        expected = (hidden.shape[0] * world, *expected[1:]) if expected else expected
+    if tuple(targets.shape) != expected:
+        where = " (the whole gathered sequence under sequence_parallel)" if sequence_parallel else ""
+        raise ValueError(
+            f"chunked_logprobs: targets {tuple(targets.shape)} must be shaped {expected}{where}, "
+            f"as hidden {tuple(hidden.shape)} without its last dimension"
+        )
+    if vocab_start is None:
+        vocab_start = rank * weight.shape[0]
+    elif isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"chunked_logprobs: vocab_start must be an int >= 0, not {vocab_start!r}")
+    tiles = []
+    for name, value, default in (
+        ("chunk_rows", chunk_rows, DEFAULT_CHUNK_ROWS),
+        ("chunk_vocab", chunk_vocab, DEFAULT_CHUNK_VOCAB),
+    ):
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"chunked_logprobs: {name} must be an int >= 1, not {value!r}")
+        tiles.append(value)
+    return _Plan(
+        mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles
+    )
+
+
+def _world_and_rank(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _spans(n: int, step: int) -> list[tuple[int, int]]:
+    return [(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+# ---------------------------------------------------------------- the per-tile steps
+
+
+class RowStats:
+    """Per-token running statistics of the logits seen so far (fp32, [T] each): the maximum
+    ``m``, ``s`` = sum exp(z - m), ``zs`` = sum exp(z - m) * z (for the entropy; None when not
+    wanted) and the target's logit ``target`` (0 until its tile is seen)."""
+
+    def __init__(self, rows: int, device: torch.device, entropy: bool) -> None:
+        import torch
+
+        def vec(value: float) -> torch.Tensor:
+            return torch.full((rows,), value, dtype=torch.float32, device=device)
+
+        self.m = vec(-math.inf)
+        self.s = vec(0.0)
+        self.zs = vec(0.0) if entropy else None
+        self.target = vec(0.0)
+
+    def rows(self, r0: int, r1: int) -> RowStats:
+        view = RowStats.__new__(RowStats)
+        view.m, view.s, view.target = self.m[r0:r1], self.s[r0:r1], self.target[r0:r1]
+        view.zs = None if self.zs is None else self.zs[r0:r1]
+        return view
+
+
+def fold_tile(tile: torch.Tensor, targets: torch.Tensor, col0: int, temperature: float, stats: RowStats) -> None:
+    """Fold the logits ``tile`` [C, N] (any float dtype, read as fp32 and divided by
+    ``temperature`` in fp32) into ``stats`` (C rows). The tile holds the weight's rows
+    ``col0`` to ``col0 + N``; ``targets`` [C] are ids counted from the weight's first row."""
+    kernels = _triton(tile)
+    if kernels is not None:
+        kernels.fold(tile, targets, col0, temperature, stats)
+        return
+    import torch
+
+    z = (tile.float() / temperature) if temperature != 1.0 else tile.float()
+    m = torch.maximum(stats.m, z.amax(dim=1))
+    rescale = torch.exp(stats.m - m)
+    e = torch.exp(z - m[:, None])
+    stats.s.mul_(rescale).add_(e.sum(dim=1))
+    if stats.zs is not None:
+        stats.zs.mul_(rescale).add_((e * z).sum(dim=1))
+    stats.m.copy_(m)
+    local = targets - col0
+    inside = (local >= 0) & (local < z.shape[1])
+    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
+    stats.target.copy_(torch.where(inside, picked, stats.target))
+
+
+def grad_tile(
+    tile: torch.Tensor,
+    targets: torch.Tensor,
+    col0: int,
+    temperature: float,
+    log_z: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+) -> None:
+    """Overwrite the logits ``tile`` [C, N] with the gradient of the loss with respect to them
+    (before the temperature: the result is divided by it), computed in fp32 and stored in the
+    tile's dtype. ``col0`` and ``targets`` as for ``fold_tile``; ``log_z``, ``entropy``,
+    ``grad_logp``, ``grad_entropy``: [C] fp32; a None gradient contributes nothing."""
+    kernels = _triton(tile)
+    if kernels is not None:
+        kernels.grad(tile, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy)
+        return
+    import torch
+
+    z = (tile.float() / temperature) if temperature != 1.0 else tile.float()
+    log_p = z - log_z[:, None]
+    p = torch.exp(log_p)
+    grad = torch.zeros_like(z)
+    if grad_logp is not None:
+        cols = torch.arange(col0, col0 + z.shape[1], device=z.device)
+        hit = (cols[None, :] == targets[:, None]).float()
+        grad += grad_logp[:, None] * (hit - p)
+    if grad_entropy is not None:
+        grad -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    if temperature != 1.0:
+        grad /= temperature
+    tile.copy_(grad)
+
+
+def _triton(t: torch.Tensor) -> Any:
+    """The Triton kernels for tiles on ``t``'s device, or None for the torch steps (the CPU;
+    ``FP32PATCH_TRITON=0``; no Triton)."""
+    if t.device.type != "cuda" or os.environ.get(TRITON_ENV_VAR, "1") == "0":
+        return None
+    kernels = _TritonKernels.get()
+    return kernels
+
+
+class _TritonKernels:
+    """The per-tile steps as Triton kernels: one program per token row (fold) and per block of
+    rows and columns (grad); the same formulas as the torch steps, fp32 throughout."""
+
+    _instance: _TritonKernels | None = None
+    _failed = False
+    FOLD_BLOCK, FOLD_WARPS = 2048, 8
+    GRAD_BM, GRAD_BN, GRAD_WARPS = 32, 256, 8
+
+    @classmethod
+    def get(cls) -> _TritonKernels | None:
+        if cls._instance is None and not cls._failed:
+            try:
+                cls._instance = cls()
+            except ImportError:
+                cls._failed = True
+        return cls._instance
+
+    def __init__(self) -> None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def fold_kernel(
+            tile, stride, n_cols, targets, col0, temperature, m_ptr, s_ptr, zs_ptr, tz_ptr,
+            SCALED: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+        ):  # fmt: skip
+            row = tl.program_id(0).to(tl.int64)
+            base = tile + row * stride
+            m = tl.load(m_ptr + row)
+            s = tl.load(s_ptr + row)
+            zs = 0.0
+            if ENTROPY:
+                zs = tl.load(zs_ptr + row)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                ok = cols < n_cols
+                z = tl.load(base + cols, mask=ok, other=-float("inf")).to(tl.float32)
+                if SCALED:
+                    z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+                new_m = tl.maximum(m, tl.max(z, axis=0))
+                rescale = tl.exp(m - new_m)
+                e = tl.exp(z - new_m)
+                s = s * rescale + tl.sum(e, axis=0)
+                if ENTROPY:
+                    zs = zs * rescale + tl.sum(tl.where(ok, e * z, 0.0), axis=0)
+                m = new_m
+            tl.store(m_ptr + row, m)
+            tl.store(s_ptr + row, s)
+            if ENTROPY:
+                tl.store(zs_ptr + row, zs)
+            local = tl.load(targets + row) - col0
+            if (local >= 0) & (local < n_cols):
+                zt = tl.load(base + local).to(tl.float32)
+                if SCALED:
+                    zt = tl.div_rn(zt, zt * 0.0 + temperature)
+                tl.store(tz_ptr + row, zt)
+
+        @triton.jit
+        def grad_kernel(
+            tile, stride, n_rows, n_cols, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy,
+            amax, scale, out16, plain, out_stride,
+            SCALED: tl.constexpr, LOGP_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr,
+            AMAX: tl.constexpr, FP16: tl.constexpr, PLAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        ):  # fmt: skip
+            # g = the gradient of a [BM, BN] block of the tile, in fp32; then any of: g stored in
+            # place, max |g| per column into amax, fp16(g * scale[col]) and g in plain's dtype
+            rm = tl.program_id(0) * BM + tl.arange(0, BM)
+            rn = tl.program_id(1) * BN + tl.arange(0, BN)
+            row_ok = rm < n_rows
+            col_ok = rn < n_cols
+            mask = row_ok[:, None] & col_ok[None, :]
+            rm64 = rm.to(tl.int64)
+            ptrs = tile + rm64[:, None] * stride + rn[None, :]
+            z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            if SCALED:
+                z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+            log_p = z - tl.load(log_z + rm, mask=row_ok, other=0.0)[:, None]
+            p = tl.exp(log_p)
+            g = tl.zeros_like(z)
+            if LOGP_GRAD:
+                target = tl.load(targets + rm, mask=row_ok, other=-1)
+                hit = ((rn[None, :] + col0) == target[:, None]).to(tl.float32)
+                g += tl.load(grad_logp + rm, mask=row_ok, other=0.0)[:, None] * (hit - p)
+            if ENTROPY_GRAD:
+                ge = tl.load(grad_entropy + rm, mask=row_ok, other=0.0)[:, None]
+                g -= ge * p * (log_p + tl.load(entropy + rm, mask=row_ok, other=0.0)[:, None])
+            if SCALED:
+                g = tl.div_rn(g, tl.zeros_like(g) + temperature)
+            g = tl.where(mask, g, 0.0)
+            if IN_PLACE:
+                tl.store(ptrs, g.to(tile.dtype.element_ty), mask=mask)
+            if AMAX:
+                tl.atomic_max(amax + rn, tl.max(tl.abs(g), axis=0), mask=col_ok)
+            out = rm64[:, None] * out_stride + rn[None, :]
+            if FP16:
+                c = tl.load(scale + rn, mask=col_ok, other=1.0)
+                tl.store(out16 + out, (g * c[None, :]).to(tl.float16), mask=mask)
+            if PLAIN:
+                tl.store(plain + out, g.to(plain.dtype.element_ty), mask=mask)
+
+        self._fold, self._grad, self._cdiv = fold_kernel, grad_kernel, triton.cdiv
+
+    def fold(self, tile, targets, col0, temperature, stats: RowStats) -> None:
+        rows, n = tile.shape
+        if not rows:
+            return
+        assert tile.stride(1) == 1
+        self._fold[(rows,)](
+            tile, tile.stride(0), n, targets, col0, temperature, stats.m, stats.s,
+            stats.s if stats.zs is None else stats.zs, stats.target,
+            SCALED=temperature != 1.0, ENTROPY=stats.zs is not None, BLOCK=self.FOLD_BLOCK, num_warps=self.FOLD_WARPS,
+        )  # fmt: skip
+
+    def grad(
+        self, tile, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy,
+        in_place=True, amax=None, scale=None, out16=None, plain=None,
+    ) -> None:  # fmt: skip
+        """The gradient of ``tile``, written as asked: in place, its column maxima (into the
+        fp32 ``amax``, which must start at 0), ``fp16(g * scale)`` into ``out16``, ``g`` into
+        ``plain``. The same bits in every call: no fused multiply-adds (``amax`` must be the
+        maximum of exactly the values that another call then converts)."""
+        rows, n = tile.shape
+        if not rows or not n:
+            return
+        assert tile.stride(1) == 1
+        out = out16 if out16 is not None else plain if plain is not None else tile
+        assert out.stride(1) == 1 and (plain is None or plain.stride() == out.stride())
+        dummy = log_z
+        self._grad[(self._cdiv(rows, self.GRAD_BM), self._cdiv(n, self.GRAD_BN))](
+            tile, tile.stride(0), rows, n, targets, col0, temperature, log_z,
+            dummy if entropy is None else entropy,
+            dummy if grad_logp is None else grad_logp,
+            dummy if grad_entropy is None else grad_entropy,
+            dummy if amax is None else amax,
+            dummy if scale is None else scale,
+            tile if out16 is None else out16,
+            tile if plain is None else plain,
+            out.stride(0),
+            SCALED=temperature != 1.0, LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None,
+            IN_PLACE=in_place, AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
+            BM=self.GRAD_BM, BN=self.GRAD_BN, num_warps=self.GRAD_WARPS, enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the passes
+
+
+def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan):
+    """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]."""
+    import torch
+
+    stats = RowStats(x.shape[0], x.device, plan.entropy)
+    local = targets - plan.vocab_start
+    with _precision(plan.mode, x.device):
+        for v0, v1 in _spans(weight.shape[0], plan.chunk_vocab):
+            block = weight[v0:v1]
+            for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
+                tile = _fwd_mm(plan.mode, x[r0:r1], block)
+                fold_tile(tile, local[r0:r1], v0, plan.temperature, stats.rows(r0, r1))
+                del tile
+    m = stats.m
+    world, _ = _world_and_rank(plan.group)
+    if world > 1:
+        import torch.distributed as dist
+
+        m = stats.m.clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=plan.group)
+        rescale = torch.exp(stats.m - m)
+        sums = [stats.s * rescale, stats.target] + ([] if stats.zs is None else [stats.zs * rescale])
+        packed = torch.stack(sums)
+        dist.all_reduce(packed, group=plan.group)
+        stats.s, stats.target = packed[0], packed[1]
+        stats.zs = None if stats.zs is None else packed[2]
+    log_z = m + torch.log(stats.s)
+    ent = None if stats.zs is None else log_z - stats.zs / stats.s
+    return log_z, stats.target, ent
+
+
+def _backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_logp, grad_entropy):
+    """The input gradient (fp32, [T, H], this rank's vocabulary part) and the weight gradient."""
+    import torch
+
+    plan: _Plan = ctx.plan
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    main_grad = ctx.main_grad
+    local = targets - plan.vocab_start
+    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
+    dw = None
+    if need_dw and main_grad is None:
+        dw = torch.empty_like(weight)
+    with _precision(plan.mode, x.device):
+        row_spans = _spans(x.shape[0], plan.chunk_rows)
+        # one tile in a block: its weight gradient comes out of the GEMM in the weight's dtype
+        share_dtype = weight.dtype if len(row_spans) == 1 else torch.float32
+        for v0, v1 in _spans(weight.shape[0], plan.chunk_vocab):
+            block = weight[v0:v1]
+            acc = None if main_grad is None else main_grad[v0:v1]
+            for r0, r1 in row_spans:
+                rows = slice(r0, r1)
+                row_grads = _RowGrads(
+                    local[rows], v0, plan.temperature, ctx.log_z[rows],
+                    None if ctx.ent is None else ctx.ent[rows],
+                    None if grad_logp is None else grad_logp[rows],
+                    None if grad_entropy is None else grad_entropy[rows],
+                )  # fmt: skip
+                dx_rows = None if dx is None else dx[rows]
+                acc = _tile_backward(plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype)
+            if dw is not None:
+                dw[v0:v1].copy_(acc)
+            del acc
+    return dx, dw
+
+
+@dataclass(frozen=True)
+class _RowGrads:
+    """What a tile's gradient needs of its rows (``grad_tile``'s arguments after the tile)."""
+
+    targets: Any
+    col0: int
+    temperature: float
+    log_z: Any
+    entropy: Any
+    grad_logp: Any
+    grad_entropy: Any
+
+
+# Modes whose backward GEMMs take 16-bit copies of the gradient: on CUDA the Triton kernel
+# writes those copies straight from the logits tile (no fp32 gradient tile is written).
+_FUSED_MODES = ("fp32out", "fp32out-bf16grad")
+
+
+def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bool, acc, dw_dtype):
+    """One tile's share of the gradients, in the plan's mode: its logits computed again and
+    turned into the gradient with respect to them, then ``lm_head_gemm``'s backward GEMMs. The
+    input gradient is added into the fp32 ``dx_rows`` (None: not wanted). Returns the weight
+    gradient (None: not wanted): ``acc`` (fp32) with this tile's share added, or, without an
+    ``acc``, this tile's share alone in ``dw_dtype`` (the weight's dtype when it is the
+    block's only tile: rounded once, as lm_head_gemm delivers it).
+
+    On CUDA, for the fp32out modes, the fp32 gradient is never stored: one kernel pass takes
+    its column maxima (fp32out: the per-column power-of-two scales, ``fp32out._pow2_scale``),
+    a second writes the copies the GEMMs take (fp32out: fp16 times the scale for the weight
+    gradient, bf16 for the input gradient; fp32out-bf16grad: bf16 for both), as
+    ``fp32out.fp16_scaled_grads`` makes them from a stored gradient, and the products are
+    accumulated in fp32 in the GEMM (``addmm``) or by fp32out's unscale kernel."""
+    import torch
+
+    from fp32patch.runtime.kernels import fp32out
+
+    tile = _fwd_mm(plan.mode, xr, block)
+    args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
+    kernels = _triton(tile)
+    if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
+        grad_tile(tile, *args)
+        if want_dw and acc is None and dw_dtype == torch.float32:
+            acc = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+        part, dw = _backward_gemms(
+            plan.mode, tile, block, xr if want_dw else None, dx_rows is not None, torch.float32, acc
+        )
+        if part is not None:
+            dx_rows.add_(part)
+        return dw
+    scaled = plan.mode == "fp32out" and want_dw
+    g16 = scale = plain = None
+    if scaled:
+        amax = torch.zeros(tile.shape[1], dtype=torch.float32, device=tile.device)
+        kernels.grad(tile, *args, in_place=False, amax=amax)
+        scale = fp32out._pow2_scale(amax)
+        g16 = torch.empty(tile.shape, dtype=torch.float16, device=tile.device)
+    if dx_rows is not None or not scaled:
+        plain = torch.empty(tile.shape, dtype=block.dtype, device=tile.device)
+    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain)
+    del tile
+    if dx_rows is not None:
+        _accumulate_product(dx_rows, plain, block)
+    if not want_dw:
+        return None
+    if scaled:
+        del plain
+        # without an accumulator, the unscale pass writes the share in dw_dtype (in place on
+        # the fp32 product when that is fp32): nothing to zero, nothing to add
+        out_dtype = torch.float32 if acc is not None else dw_dtype
+        return fp32out._scaled_product((g16.t(), scale.view(-1, 1)), xr, out_dtype, acc)
+    if acc is None:
+        return fp32out.mm(plain.t(), xr).to(dw_dtype)
+    _accumulate_product(acc, plain.t(), xr)
+    return acc
+
+
+# (device type, dtype name) -> whether torch.addmm(..., out_dtype=float32) runs there
+_ADDMM_SUPPORT: dict[tuple[str, str], bool] = {}
+
+
+def _accumulate_product(acc, a, b) -> None:
+    """``acc += a @ b`` for 16-bit ``a``, ``b`` and an fp32 ``acc``: in the GEMM's epilogue
+    where torch has ``addmm(out_dtype=float32)`` (CUDA), else as fp32out's product added."""
+    import torch
+
+    from fp32patch.runtime.kernels import fp32out
+
+    key = (acc.device.type, str(a.dtype))
+    if key not in _ADDMM_SUPPORT:
+        ok = False
+        if not (acc.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            one = torch.ones(1, 1, dtype=a.dtype, device=a.device)
+            out = torch.zeros(1, 1, dtype=torch.float32, device=a.device)
+            try:
+                ok = torch.addmm(out, one, one, out_dtype=torch.float32, out=out).item() == 1.0
+            except (TypeError, NotImplementedError, RuntimeError):
+                ok = False
+        _ADDMM_SUPPORT[key] = ok
+    if _ADDMM_SUPPORT[key]:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(fp32out.mm(a, b))
+
+
+def _function() -> type:
+    global _FUNCTION
+    if _FUNCTION is None:
+        _FUNCTION = _make_function()
+    return _FUNCTION
+
+
+_FUNCTION: type | None = None
+
+
+def _make_function() -> type:
+    import torch
+
+    class ChunkedLogProbs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan):
+            if plan.fuse_wgrad and hasattr(weight, "__fsdp_param__"):
+                raise NotImplementedError(
+                    "chunked_logprobs: Megatron-FSDP weights (__fsdp_param__) are not supported; "
+                    "use Megatron's DDP or turn gradient_accumulation_fusion off"
+                )
+            ctx.set_materialize_grads(False)
+            full = _gather_tokens(hidden, plan) if plan.sequence_parallel else hidden
+            x = full.reshape(-1, full.shape[-1])
+            flat_targets = targets.reshape(-1).long()
+            log_z, target_logit, ent = _forward_stats(x, weight, flat_targets, plan)
+            # fresh tensors, no views made in here: a caller may scale them in place
+            log_probs = target_logit.view(targets.shape) - log_z.view(targets.shape)
+            ctx.plan = plan
+            ctx.log_z = log_z
+            ctx.ent = ent
+            ctx.main_grad = weight.main_grad if plan.fuse_wgrad and hasattr(weight, "main_grad") else None
+            ctx.hidden_shape = hidden.shape
+            ctx.save_for_backward(hidden, weight, flat_targets)
+            return log_probs, None if ent is None else ent.view(targets.shape).clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+            hidden, weight, targets = ctx.saved_tensors
+            plan: _Plan = ctx.plan
+            if grad_logp is None and grad_entropy is None:
+                return None, None, None, None
+            full = _gather_tokens(hidden, plan) if plan.sequence_parallel else hidden
+            x = full.reshape(-1, full.shape[-1])
+            grad_logp = None if grad_logp is None else grad_logp.reshape(-1).float().contiguous()
+            grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
+            dx, dw = _backward(ctx, x, weight, targets, grad_logp, grad_entropy)
+            if dx is not None:
+                dx = _sum_input_grad(dx, plan).to(hidden.dtype).view(ctx.hidden_shape)
+            if ctx.needs_input_grad[1]:
+                dw = _deliver_weight_grad(weight, ctx.main_grad, ctx.main_grad if ctx.main_grad is not None else dw)
+            return dx, dw, None, None
+
+    return ChunkedLogProbs
+
+
+# ---------------------------------------------------------------- tensor-parallel edges
+
+
+def _gather_tokens(hidden: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Sequence parallelism: every rank's tokens (dim 0), in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    world, _ = _world_and_rank(plan.group)
+    if world == 1:
+        return hidden
+    parts = [torch.empty_like(hidden) for _ in range(world)]
+    dist.all_gather(parts, hidden.contiguous(), group=plan.group)
+    return torch.cat(parts, dim=0)
+
+
+def _sum_input_grad(dx: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """This rank's vocabulary part of the input gradient summed over the group, in fp32; under
+    sequence parallelism only this rank's tokens are kept (a reduce-scatter)."""
+    import torch.distributed as dist
+
+    world, rank = _world_and_rank(plan.group)
+    if world == 1:
+        return dx
+    if plan.sequence_parallel and dist.get_backend(plan.group) != "gloo":
+        out = dx.new_empty((dx.shape[0] // world, *dx.shape[1:]))
+        dist.reduce_scatter_tensor(out, dx, group=plan.group)
+        return out
+    # gloo has no reduce-scatter: all-reduce, then keep this rank's tokens
+    dist.all_reduce(dx, group=plan.group)
+    if plan.sequence_parallel:
+        share = dx.shape[0] // world
+        return dx[rank * share : (rank + 1) * share]
+    return dx

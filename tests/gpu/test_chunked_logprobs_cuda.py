@@ -1,0 +1,137 @@
+"""Chunked log-probs on CUDA (skipped without a GPU): the tiles come from the out_dtype GEMM
+(no fp32 weight copy), the Triton per-tile kernels give the torch steps' numbers, and the
+backward is lm_head_gemm's in each mode on real tensor cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import lm_head  # the benchmark's inputs
+from fp32patch.runtime.kernels import fp32out
+from fp32patch.runtime.kernels.chunked_logprobs import RowStats, chunked_logprobs, fold_tile, grad_tile
+from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
+from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
+from fp32patch.runtime.modes import MEGATRON_MODES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+T, H, V = 1000, 1024, 32768
+
+
+def _problem(seed=0, t=T, h=H, v=V):
+    """The benchmark's inputs (logits of real models' size), targets sampled from the model, and
+    a per-token upstream gradient."""
+    x, w = lm_head.inputs(t, h, v, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    log_p64 = torch.log_softmax(x.double() @ w.double().t(), -1)
+    targets = torch.multinomial(log_p64.exp(), 1, generator=gen)[:, 0]
+    return x, w, targets, torch.randn(t, device="cuda", generator=gen)
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _float64(x, w, targets, grad, temperature=1.0):
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    log_p = torch.log_softmax((x64 @ w64.t()) / temperature, -1)
+    lp = log_p.gather(1, targets[:, None])[:, 0]
+    ent = -(log_p.exp() * log_p).sum(-1)
+    (lp * grad.double()).sum().backward()
+    return lp.detach(), ent.detach(), x64.grad, w64.grad
+
+
+def test_tiles_come_from_the_out_dtype_gemm_without_a_weight_copy():
+    x, w, targets, _ = _problem()
+    assert fp32out.out_dtype_supported(x.device, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp = chunked_logprobs(x, w, targets, chunk_rows=512, chunk_vocab=8192)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    tile = 512 * 8192 * 4
+    assert extra < tile * 1.5  # one fp32 tile and [T] vectors: no [V, H] fp32, no [T, V]
+    lp64, _, _, _ = _float64(x, w, targets, torch.zeros(T, device="cuda"))
+    err = (lp.double() - lp64).abs()
+    # bf16 logits would be off by ~2e-2 on average at this logit size
+    assert err.mean() < 2e-5 and err.max() < 2e-4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("mode", ["fp32out", "fp32out-bf16grad", "fp32out-hilo"])
+def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperature):
+    # the fp32out modes' fused path (16-bit copies written from the logits, products
+    # accumulated in the GEMM) against the eager one (fp32 gradient tile, lm_head_gemm's GEMMs)
+    x, w, targets, grad = _problem(1)
+    kw = dict(mode=mode, entropy=True, temperature=temperature, chunk_rows=300, chunk_vocab=5000, fuse_wgrad=True)
+
+    def run():
+        xl = x.clone().requires_grad_()
+        wl = torch.nn.Parameter(w.clone())
+        wl.main_grad = torch.zeros(wl.shape, device="cuda")
+        lp, ent = chunked_logprobs(xl, wl, targets, **kw)
+        ((lp * grad).sum() + (ent * grad * 0.1).sum()).backward()
+        return lp.detach(), ent.detach(), xl.grad, wl.main_grad
+
+    triton = run()
+    monkeypatch.setenv(TRITON_ENV_VAR, "0")
+    eager = run()
+    # the same formulas; only the exponentials' last bits differ (the GPU's exp2 against
+    # torch's), which flips the 16-bit rounding of a few gradient entries
+    assert (triton[0] - eager[0]).abs().max() < 1e-5
+    assert (triton[1] - eager[1]).abs().max() < 5e-5  # log Z - E[z]: both ~20, the entropy ~2
+    assert _rel(triton[2], eager[2]) < 1e-4 and (triton[2] == eager[2]).float().mean() > 0.95
+    assert _rel(triton[3], eager[3]) < 5e-5
+
+
+def test_bf16_tiles_fold_and_grad_as_on_the_cpu():
+    # the per-tile steps on a 16-bit tile (the benchmark's TRL-shaped path uses them so)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    tile = (torch.randn(64, 3000, device="cuda", generator=gen) * 8).bfloat16()
+    targets = torch.randint(-5, 3100, (64,), device="cuda", generator=gen)
+    got, ref = RowStats(64, tile.device, True), RowStats(64, torch.device("cpu"), True)
+    for c0, c1 in ((0, 1234), (1234, 3000)):
+        fold_tile(tile[:, c0:c1].contiguous(), targets, c0, 0.8, got)
+        fold_tile(tile[:, c0:c1].contiguous().cpu(), targets.cpu(), c0, 0.8, ref)
+    for name in ("m", "s", "zs", "target"):
+        assert torch.allclose(getattr(got, name).cpu(), getattr(ref, name), rtol=1e-5, atol=1e-6), name
+    log_z = ref.m + ref.s.log()
+    ent = log_z - ref.zs / ref.s
+    g = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    a, b = tile.clone(), tile.cpu()
+    grad_tile(a, targets, 0, 0.8, log_z.cuda(), ent.cuda(), g.cuda(), g.cuda() * 0.1)
+    grad_tile(b, targets.cpu(), 0, 0.8, log_z, ent, g, g * 0.1)
+    ulp = b.float().abs() * 2.0**-7 + 1e-30
+    assert ((a.cpu().float() - b.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("mode", MEGATRON_MODES)
+def test_backward_is_lm_head_gemms_in_each_mode(mode):
+    x, w, targets, grad = _problem(4)
+    _, _, dx64, dw64 = _float64(x, w, targets, grad, temperature=0.9)
+
+    def grads(fn):
+        xl = x.clone().requires_grad_()
+        wl = torch.nn.Parameter(w.clone())
+        wl.main_grad = torch.zeros(wl.shape, device="cuda")
+        (fn(xl, wl) * grad).sum().backward()
+        return xl.grad, wl.main_grad
+
+    def unfused(xl, wl):
+        logits = lm_head_linear(xl, wl, None, mode, fuse_wgrad=True).div_(0.9)
+        return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+
+    ref_dx, ref_dw = grads(unfused)
+    dx, dw = grads(
+        lambda xl, wl: chunked_logprobs(
+            xl, wl, targets, mode=mode, temperature=0.9, fuse_wgrad=True, chunk_rows=384, chunk_vocab=10000
+        )
+    )
+    mode_err = _rel(ref_dw, dw64)
+    assert _rel(dw, dw64) <= mode_err * 1.05 + 1e-7
+    assert _rel(dw, ref_dw) <= max(mode_err / 4, 2e-6)
+    assert _rel(dx, dx64) <= _rel(ref_dx, dx64) * 1.05
+    assert (dx == ref_dx).float().mean() > 0.9
