@@ -21,7 +21,7 @@ from fp32patch.runtime.kit import rollout
 from fp32patch.runtime.kit.probe import PROBE_EXTENSION
 from fp32patch.runtime.modes import VLLM_SWITCH
 from fp32patch.runtime.trl.config import KEY, STACK, TrlSettings, check_config, requested_mode
-from fp32patch.runtime.trl.fused import mark, marked_mode
+from fp32patch.runtime.trl.fused import MARK, mark, marked_mode
 
 # vLLM's option that adds a class's methods to every worker
 WORKER_EXTENSION_FLAG = "--worker-extension-cls"
@@ -68,8 +68,6 @@ def wire_trainer(trainer: Any, path: str) -> Any:
 
 def mark_rollout(model: Any, mode: str) -> None:
     """Tell ``VLLMGeneration`` (which reads the mark off the model it is handed) that the switch is on."""
-    from fp32patch.runtime.trl.fused import MARK
-
     if marked_mode(model) != mode:
         setattr(model, MARK, mode)
 
