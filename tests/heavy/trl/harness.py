@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -68,10 +69,13 @@ def start(tmp: Path, plugin_dir: Path, root: Path | None, **settings: Any) -> su
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "settings.json").write_text(json.dumps({"plugin_dir": str(plugin_dir), **settings}))
     log = open(tmp / "run.log", "wb")  # noqa: SIM115 (closed by finish)
+    with socket.socket() as probe:  # accelerate would take its default port, and two runs side by side collide
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.heavy.trl.grpo_run", str(tmp / "settings.json"), str(tmp / "out.json")],
         cwd=REPO,
-        env=environ(plugin_dir, root),
+        env={**environ(plugin_dir, root), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
         stdout=log,
         stderr=log,
     )
