@@ -12,7 +12,8 @@ The kit (pure Python, no torch at import):
   ``env_vars`` or the environment, set in a rollout process), vLLM's own ``head_dtype`` (0.26+),
   SGLang's ``enable_fp32_lm_head``; the installed vLLM's release under any distribution name.
 - ``kit.probe``: the startup probe's RPC name and verdicts: the workers' reports held to one
-  expectation, one line per disagreeing worker, the refusal.
+  expectation, one line per disagreeing worker, the refusal; for vLLM's own OpenAI server, the
+  worker extension that answers the probe and the probe over HTTP (``/collective_rpc``).
 - ``kit.fused``: the heads ``Stack.wire`` wired, found again from the weight a stack's fused
   log-prob path reads (``wired_mode(weight)``): such a path never calls the head, so the stack
   computes it with ``kernels.chunked_logprobs`` in that head's mode, and any other weight keeps

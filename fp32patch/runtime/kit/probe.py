@@ -4,10 +4,13 @@ Each vLLM worker measures its own head (``heads.vllm_probe.probe_vllm_model``, c
 RPC ``PROBE_RPC`` that each stack's patched worker extension answers, or in process); the stack
 holds the reports to one expectation (every worker float32, or none) and, where one disagrees,
 stops startup with one line per worker that says which worker, what it computes, what asked for
-something else, and why. Pure Python."""
+something else, and why. Where a stack runs vLLM's own OpenAI server, which no patch of the stack
+extends, ``ProbeWorkerExtension`` gives its workers the probe's method (``--worker-extension-cls
+PROBE_EXTENSION``) and ``server_reports`` asks them over HTTP. Pure Python."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -80,3 +83,97 @@ def refuse(bad: list[tuple[int, Any, str]], *, header: str, footer: str) -> None
     """Stop startup: ``header``, one line per disagreeing worker, ``footer``."""
     lines = [header, *(f"  {reason}" for _, _, reason in bad), footer]
     raise Fp32LmHeadMismatchError("\n".join(lines), bad)
+
+
+def hold_reports(
+    reports: Any,
+    mode: str | None,
+    *,
+    where: str,
+    key: str,
+    switch: str,
+    logger: logging.Logger,
+    subject: str = "the rollout's logits",
+    hint: str = "",
+) -> list[Any]:
+    """The whole check of a stack whose workers follow one key: every worker float32 where the
+    key is on (``mode``), none where it is off; else ``refuse`` with one line per worker
+    (``disagreement``, ``switch`` and ``hint`` as there), headed ``subject`` "do not follow"
+    the key. Logs one line when all agree; returns the flat reports."""
+
+    def why(index: int, report: Mapping[str, Any]) -> str:
+        asking = f"{key}={mode!r}" if mode is not None else f"{key} is off"
+        return disagreement(
+            index, report, expect_fp32=mode is not None, asking=asking, switch=switch, key=key, hint=hint
+        )
+
+    flat, bad = disagreeing_reports(reports, mode is not None, why, where=where)
+    if bad:
+        refuse(
+            bad,
+            header=f"fp32patch ({where}): {subject} do not follow {key}={mode!r}:",
+            footer="The trainer and the rollout would compute different logits. Fix the worker(s) above.",
+        )
+    ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
+    logger.info(
+        "fp32patch (%s): %d vLLM worker(s) compute %s logits (way: %s), as %s=%r asks",
+        where,
+        len(flat),
+        "float32" if mode is not None else "stock",
+        ways,
+        key,
+        mode,
+    )
+    return flat
+
+
+class ProbeWorkerExtension:
+    """The probe's method for a vLLM that a stack does not extend itself: vLLM's own OpenAI
+    server (``vllm serve``) takes it as ``--worker-extension-cls`` (``PROBE_EXTENSION``) and adds
+    it to every worker, whose ``collective_rpc`` then answers ``PROBE_RPC`` with the worker's
+    ``heads.vllm_probe.probe_vllm_model`` report."""
+
+    def fp32patch_probe_lm_head(self) -> dict[str, Any]:
+        from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
+
+        return probe_vllm_model(self.model_runner.model)  # type: ignore[attr-defined]
+
+
+PROBE_EXTENSION = f"{__name__}.{ProbeWorkerExtension.__qualname__}"
+
+
+def server_reports(post: Callable[..., Any], base_url: str, *, where: str, how_to_start: str) -> Any:
+    """Every worker's probe report from a running vLLM OpenAI server, through its development
+    endpoint ``/collective_rpc`` (served with ``VLLM_SERVER_DEV_MODE=1``): ``post(url, json=...,
+    timeout=...)`` is the caller's HTTP client (a ``requests.Session.post``). A server that cannot
+    answer (unreachable, no development endpoints, workers without the probe's method: a plain
+    ``vllm serve``) is refused with ``Fp32LmHeadMismatchError``: nobody could tell whether its
+    logits are fp32. ``how_to_start`` says how to start one that can."""
+    url = f"{base_url.rstrip('/')}/collective_rpc"
+    header = f"fp32patch ({where}): cannot probe the vLLM server's LM heads at {url}"
+    try:
+        response = post(url, json={"method": PROBE_RPC}, timeout=_SERVER_PROBE_TIMEOUT_S)
+    except Exception as exc:  # the client's own error type, whatever it is
+        raise Fp32LmHeadMismatchError(f"{header}: {type(exc).__name__}: {exc}. {how_to_start}", []) from None
+    status = getattr(response, "status_code", None)
+    if status == 404:
+        why = "the server has no /collective_rpc (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+    elif status != 200:
+        text = " ".join(str(getattr(response, "text", "")).split())[:_BODY_SHOWN]
+        why = f"it answered {status}: {text} (its workers have no {PROBE_RPC}: a plain `vllm serve`?)"
+    else:
+        try:
+            return response.json()["results"]
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"its answer holds no results ({type(exc).__name__}: {exc})"
+    raise Fp32LmHeadMismatchError(
+        f"{header}: {why}. The trainer's logits would be fp32 and nobody could tell whether the server's are. "
+        f"{how_to_start}",
+        [],
+    )
+
+
+# how long a server's workers may take to answer the probe (one probe row each), and how much of
+# an error's body a refusal quotes
+_SERVER_PROBE_TIMEOUT_S = 120
+_BODY_SHOWN = 400

@@ -1,0 +1,142 @@
+"""TRL 1.15+'s chunked log-probs at fp32 grade, for the models the switch marks.
+
+TRL's ``add_fused_lm_head`` replaces a model's ``forward`` so that ``model(..., labels=...,
+fused_lm_head=True)`` returns per-token log-probs computed by ``ChunkedLogProbFunction`` from the
+backbone's hidden states and ``get_output_embeddings().weight``, never through the head module.
+That kernel computes each tile ``hidden @ weight.T`` in the autocast dtype, so its logits are
+rounded to bf16 before its fp32 logsumexp. The patched ``_fused_forward`` calls
+``fused_kernel(model).apply(...)`` instead, with the same arguments, for a model that
+``mark`` marked: ``ChunkedLogProbs`` computes through ``kernels.chunked_logprobs``, from the
+operands TRL's kernel computes with (under TRL's bf16 autocast the autocast copy of the fp32
+master weights: the values vLLM receives), with fp32 products, the temperature divided on the
+fp32 logits, and ``lm_head_gemm``'s backward in the trainer's mode.
+
+What TRL gathered stays TRL's: FSDP2's ``full_tensor()`` and DeepSpeed ZeRO-3's gather around
+the call (under ZeRO-3 a bf16 weight is copied for the backward, which runs after TRL's gather
+has ended). Refused, at ``mark`` or at the call: a head with a bias, a final logit soft-cap
+(fp32patch's chunked piece has neither), a logit scale <= 0, outputs other than the log-probs
+and the entropy, and operands in fp32 (a trainer in fp32 throughout).
+
+Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp32patch.runtime.heads.hf import UnsupportedLmHeadError
+
+# The attribute the switch sets on the policy's and the reference model's instance (the model
+# TRL's fused forward is bound to, and the one VLLMGeneration holds): the trainer's mode. The
+# patched files read it by this name (trl_gate.py) without importing fp32patch.
+MARK = "_fp32patch_lm_head"
+# TRL's per-token outputs fp32patch's chunked piece computes
+OUTPUTS = ("log_probs", "entropy")
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+def marked_mode(model: Any) -> str | None:
+    """The mode ``mark`` gave ``model`` (through PEFT's wrappers, which forward attributes), or None."""
+    return getattr(model, MARK, None)
+
+
+def mark(model: Any, mode: str, *, role: str) -> Any:
+    """Route ``model``'s chunked log-probs through ``ChunkedLogProbs(mode)`` (and tell the rollout
+    the switch is on); refuses a head the chunked piece cannot compute. Returns ``model``."""
+    from fp32patch.runtime.heads.hf import _check_convertible, _find_head
+
+    head, where = _find_head(model)
+    _check_convertible(head, where)
+    if getattr(head, "bias", None) is not None:
+        raise UnsupportedLmHeadError(
+            f"fp32 LM head: the {role}'s {where} has a bias, which fp32patch's chunked log-probs do not add; "
+            "turn fp32_lm_head off for this model"
+        )
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise UnsupportedLmHeadError(
+            f"fp32 LM head: the {role}'s model caps its logits (final_logit_softcapping={softcap}), which "
+            "fp32patch's chunked log-probs do not do; turn fp32_lm_head off for this model"
+        )
+    setattr(model, MARK, mode)
+    return model
+
+
+class ChunkedLogProbs:
+    """``apply`` takes TRL's ``ChunkedLogProbFunction.apply`` arguments (1.15, 1.16) and returns
+    what it returns, ``(log_probs, entropy, None, None, None)``, computed at fp32 grade."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        return f"ChunkedLogProbs(mode={self.mode!r})"
+
+    def apply(
+        self,
+        hidden: Any,
+        weight: Any,
+        bias: Any,
+        targets: Any,
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
+        outputs: tuple[str, ...] = OUTPUTS,
+    ) -> tuple[Any, Any, None, None, None]:
+        from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
+
+        unsupported = [name for name in outputs if name not in OUTPUTS]
+        if unsupported or bias is not None or final_logit_softcapping is not None or not logit_scale > 0:
+            raise UnsupportedLmHeadError(
+                f"fp32 LM head: TRL asks the chunked log-probs for {_asked(unsupported, bias, final_logit_softcapping, logit_scale)}, "
+                f"which fp32patch's chunked piece does not compute (it gives {', '.join(OUTPUTS)} of an unbiased, "
+                "uncapped head); turn fp32_lm_head off for this trainer"
+            )
+        dtype = _compute_dtype(hidden)
+        operand = weight.to(dtype)
+        if operand is weight and hasattr(weight, "ds_id"):
+            # a ZeRO-3 parameter is emptied when TRL's gather ends, before the backward reads it
+            operand = weight.clone()
+        # the scale multiplies the logits before the temperature divides them: one fp32 division
+        result = chunked_logprobs(
+            hidden.to(dtype),
+            operand,
+            targets,
+            mode=self.mode,
+            temperature=float(temperature) / float(logit_scale),
+            entropy="entropy" in outputs,
+        )
+        log_probs, entropy = result if "entropy" in outputs else (result, None)
+        return log_probs, entropy, None, None, None
+
+
+def fused_kernel(model: Any) -> ChunkedLogProbs:
+    """What the patched ``_fused_forward`` calls in place of TRL's kernel for a marked model."""
+    return ChunkedLogProbs(getattr(model, MARK))
+
+
+def _compute_dtype(hidden: Any) -> Any:
+    """The dtype TRL's own kernel computes the tiles in: the autocast dtype under autocast, else
+    the hidden states'; fp32 is refused (a trainer in fp32 throughout)."""
+    import torch
+
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    if str(dtype).removeprefix("torch.") not in _LOW_PRECISION:
+        raise UnsupportedLmHeadError(
+            f"fp32 LM head: the chunked log-probs compute in {str(dtype).removeprefix('torch.')} here (no bf16/fp16 "
+            "autocast, fp32 hidden states): the logits are fp32 already, from other values than vLLM's bf16 ones; "
+            "turn bf16 on, or fp32_lm_head off"
+        )
+    return dtype
+
+
+def _asked(unsupported: list[str], bias: Any, softcap: Any, scale: float) -> str:
+    parts = [f"outputs {', '.join(unsupported)}"] if unsupported else []
+    parts += ["a bias"] if bias is not None else []
+    parts += [f"a soft-cap of {softcap}"] if softcap is not None else []
+    parts += [f"a logit scale of {scale}"] if not scale > 0 else []
+    return ", ".join(parts)
