@@ -48,8 +48,9 @@ def plan(requirement: str, index: str) -> tuple[list[str], str]:
     if reachable(index):
         return [*pip, "--extra-index-url", index], f"{requirement}, CPU build, from {index} (about 200 MB)"
     waited = time.monotonic() - started
+    when = f"after {waited:.1f} s" if waited >= 0.1 else "at once: no connection"
     return pip, (
-        f"{requirement} from pip's configured indexes: {index} did not answer within {waited:.0f} s, so it is "
+        f"{requirement} from pip's configured indexes: {index} did not answer ({when}), so it is "
         "left out. A CPU wheel in them (find-links, a local index) is taken; otherwise, on Linux, PyPI's torch "
         "is the CUDA build with several GB of nvidia packages (set TORCH_INDEX to a CPU index you can reach)"
     )
