@@ -23,6 +23,7 @@ import fp32patch
 from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.trl.fused import MARK
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.lifecycle import lifecycle
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -91,10 +92,6 @@ def _root(version: str, vllm: str, where: Path) -> Path:
     """TRL ``version``'s target files and vLLM ``vllm``'s, in one import root."""
     import_root_from_members("trl", version, [p for _, p in _spec().target.files], where)
     return import_root_from_members("vllm", vllm, [NEMOTRON, LOGITS_PROCESSOR], where)
-
-
-def _outside_state(root: Path) -> dict[str, str]:
-    return {k: v for k, v in tree_digest(root).items() if not k.startswith(".fp32patch")}
 
 
 def _function(tree: ast.Module, cls: str | None, name: str) -> ast.AST:
@@ -252,46 +249,26 @@ def test_lifecycle_beside_the_vllm_patches(version, vllm, tmp_path, cli, monkeyp
         monkeypatch.delenv(name, raising=False)
     variant = PAIRS[version, vllm]
     root = _root(version, vllm, tmp_path / "site-packages")
-    before = _outside_state(root)
-    originals = {p: (root / p).read_bytes() for p in FILES.values()}
 
-    code, out = cli.json("apply", "-s", root)
-    assert code == 0, out
-    entries = {p["id"]: p for p in out["patches"]}
-    assert (entries[SPEC]["status"], entries[SPEC]["version"], entries[SPEC]["variant"]) == (
-        "applied",
-        version,
-        variant,
+    def check(originals, patched):
+        _check_edits(version, originals, patched)
+        # with the switch off, no patched path imports fp32patch, and every gate hands back what it got
+        for key in _changed(version) - {"config"}:
+            imported = _run_gate_off(patched[FILES[key]])
+            assert not [n for n in imported if n.startswith("fp32patch")], (key, imported)
+        assert "fp32patch.runtime.trl" in _run_gate_on(patched[FILES["generation"]])
+
+    lifecycle(
+        cli,
+        root,
+        spec=SPEC,
+        version=version,
+        variant=variant,
+        vllm=vllm,
+        vllm_specs=VLLM_SPECS,
+        paths=FILES.values(),
+        check=check,
     )
-    for other in VLLM_SPECS:
-        assert (entries[other]["status"], entries[other]["version"]) == ("applied", vllm), entries[other]
-    patched = {p: (root / p).read_bytes() for p in originals}
-
-    _check_edits(version, originals, patched)
-
-    # with the switch off, no patched path imports fp32patch, and every gate hands back what it got
-    for key in _changed(version) - {"config"}:
-        imported = _run_gate_off(patched[FILES[key]])
-        assert not [n for n in imported if n.startswith("fp32patch")], (key, imported)
-    assert "fp32patch.runtime.trl" in _run_gate_on(patched[FILES["generation"]])
-
-    code, out = cli.json("verify", "-s", root)
-    assert code == 0 and out["ok"], out
-    assert {p["id"]: p["status"] for p in out["patches"] if p["id"] in (SPEC, *VLLM_SPECS)} == dict.fromkeys(
-        (SPEC, *VLLM_SPECS), "applied"
-    )
-
-    manifest = (root / ".fp32patch" / "manifest.json").read_bytes()
-    code, out = cli.json("apply", "-s", root)
-    assert code == 0 and {p["id"]: p["status"] for p in out["patches"]}[SPEC] == "already-applied"
-    assert {p: (root / p).read_bytes() for p in originals} == patched
-    assert (root / ".fp32patch" / "manifest.json").read_bytes() == manifest
-
-    reverted = cli("revert", "-s", root)
-    assert reverted.exit_code == 0, reverted.stdout + reverted.stderr
-    assert _outside_state(root) == before  # every byte, the dist-info's RECORD included
-    code, out = cli.json("verify", "-s", root)
-    assert code == 1 and {p["id"]: p["status"] for p in out["patches"]}[SPEC] == "not-applied"
 
 
 @pytest.mark.parametrize("version", sorted(REFUSED))

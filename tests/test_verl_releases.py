@@ -25,6 +25,7 @@ import torch
 import fp32patch
 from fp32patch.patcher.spec import load_specs
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.lifecycle import lifecycle
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -206,10 +207,6 @@ def _root(version: str, where: Path) -> Path:
     import_root_from_members("verl", version, paths, where)
     vllm = RELEASES[version][0] if version in RELEASES else REFUSED[version]
     return import_root_from_members("vllm", vllm, [NEMOTRON, LOGITS_PROCESSOR], where)
-
-
-def _outside_state(root: Path) -> dict[str, str]:
-    return {k: v for k, v in tree_digest(root).items() if not k.startswith(".fp32patch")}
 
 
 def _method(tree: ast.Module, cls: str, name: str) -> ast.AST:
@@ -428,46 +425,26 @@ def test_lifecycle_beside_the_vllm_patches(version, tmp_path, cli, monkeypatch):
     monkeypatch.delenv("NRL_VLLM_FP32_LM_HEAD", raising=False)
     vllm, variant = RELEASES[version]
     root = _root(version, tmp_path / "site-packages")
-    before = _outside_state(root)
-    originals = {p: (root / p).read_bytes() for p in FILES.values() if (root / p).exists()}
 
-    code, out = cli.json("apply", "-s", root)
-    assert code == 0, out
-    entries = {p["id"]: p for p in out["patches"]}
-    assert (entries[SPEC]["status"], entries[SPEC]["version"], entries[SPEC]["variant"]) == (
-        "applied",
-        version,
-        variant,
+    def check(originals, patched):
+        _check_edits(version, originals, patched)
+        # with the key off, no patched path imports fp32patch, and every gate hands back what it got
+        for key in _changed(version) - {"model"}:
+            imported = _run_gate_off(patched[FILES[key]])
+            assert not [n for n in imported if n.startswith("fp32patch")], (key, imported)
+        assert "fp32patch.runtime.verl" in _run_gate_on(patched[FILES["fsdp"]])
+
+    lifecycle(
+        cli,
+        root,
+        spec=SPEC,
+        version=version,
+        variant=variant,
+        vllm=vllm,
+        vllm_specs=VLLM_SPECS,
+        paths=FILES.values(),
+        check=check,
     )
-    for other in VLLM_SPECS:
-        assert (entries[other]["status"], entries[other]["version"]) == ("applied", vllm), entries[other]
-    patched = {p: (root / p).read_bytes() for p in originals}
-
-    _check_edits(version, originals, patched)
-
-    # with the key off, no patched path imports fp32patch, and every gate hands back what it got
-    for key in _changed(version) - {"model"}:
-        imported = _run_gate_off(patched[FILES[key]])
-        assert not [n for n in imported if n.startswith("fp32patch")], (key, imported)
-    assert "fp32patch.runtime.verl" in _run_gate_on(patched[FILES["fsdp"]])
-
-    code, out = cli.json("verify", "-s", root)
-    assert code == 0 and out["ok"], out
-    assert {p["id"]: p["status"] for p in out["patches"] if p["id"] in (SPEC, *VLLM_SPECS)} == dict.fromkeys(
-        (SPEC, *VLLM_SPECS), "applied"
-    )
-
-    manifest = (root / ".fp32patch" / "manifest.json").read_bytes()
-    code, out = cli.json("apply", "-s", root)
-    assert code == 0 and {p["id"]: p["status"] for p in out["patches"]}[SPEC] == "already-applied"
-    assert {p: (root / p).read_bytes() for p in originals} == patched
-    assert (root / ".fp32patch" / "manifest.json").read_bytes() == manifest
-
-    reverted = cli("revert", "-s", root)
-    assert reverted.exit_code == 0, reverted.stdout + reverted.stderr
-    assert _outside_state(root) == before  # every byte, the dist-info's RECORD included
-    code, out = cli.json("verify", "-s", root)
-    assert code == 1 and {p["id"]: p["status"] for p in out["patches"]}[SPEC] == "not-applied"
 
 
 @pytest.mark.parametrize("version", sorted(REFUSED))

@@ -10,10 +10,9 @@ asks: the run fails at startup, not after a day of one-sided training.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
-from fp32patch.runtime.kit.probe import PROBE_RPC, disagreeing_reports, disagreement, refuse
+from fp32patch.runtime.kit.probe import PROBE_RPC, hold_reports
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, STACK, model_mode
 
@@ -44,26 +43,4 @@ def probe_model(model: Any, model_config: Any, *, where: str) -> dict[str, Any]:
 def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
     """Refuse (``Fp32LmHeadMismatchError``) when a worker's logits disagree with the key: on, every
     worker computes float32 logits; off, none does. Logs one line when all agree."""
-    mode = model_mode(model_config)
-    flat, bad = disagreeing_reports(reports, mode is not None, lambda i, r: _why(i, r, mode), where=where)
-    if bad:
-        refuse(
-            bad,
-            header=f"fp32patch ({where}): the rollout's logits do not follow {KEY}={mode!r}:",
-            footer="The trainer and the rollout would compute different logits. Fix the worker(s) above.",
-        )
-    ways = ", ".join(sorted({str(r.get("way")) for r in flat}))
-    logger.info(
-        "fp32patch (%s): %d vLLM worker(s) compute %s logits (way: %s), as %s=%r asks",
-        where,
-        len(flat),
-        "float32" if mode is not None else "stock",
-        ways,
-        KEY,
-        mode,
-    )
-
-
-def _why(index: int, report: Mapping[str, Any], mode: str | None) -> str:
-    asking = f"{KEY}={mode!r}" if mode is not None else f"{KEY} is off"
-    return disagreement(index, report, expect_fp32=mode is not None, asking=asking, switch=VLLM_ENV_VAR, key=KEY)
+    hold_reports(reports, model_mode(model_config), where=where, key=KEY, switch=VLLM_ENV_VAR, logger=logger)
