@@ -17,7 +17,10 @@ Megatron setup.py of the stand-in checkout (tests/fixtures/nemo_rl_shapes.py) fo
 nemo-rl-fp32-lm-head, whose other files go along unchanged; there a breaking mutation must
 also never let an older variant, which leaves the inference model out, take over. For
 verl-fp32-lm-head, verl 0.9.1's FSDP engine and vLLM rollout server from its wheel, each with
-the release's other target files unchanged beside it.
+the release's other target files unchanged beside it. For trl-fp32-lm-head, TRL 1.16.0's
+trl/generation/vllm_generation.py (vLLM's switch before the colocated LLM is built, the probes
+after it and after the server's client) and trl/trainer/utils.py (add_fused_lm_head's chunked
+kernel) from its wheel, likewise each with the other six target files unchanged beside it.
 """
 
 from __future__ import annotations
@@ -780,15 +783,15 @@ class _StripSetup(ast.NodeTransformer):
         return super().generic_visit(node)
 
 
-def _follows(func: ast.AST, first: str, then: str) -> None:
-    """In ``func``, the statement right after the one that starts with ``first`` is ``then``."""
+def _follows(func: ast.AST, first: str, then: str, *, step: int = 1) -> None:
+    """In ``func``, the statement right after (``step=-1``: right before) the one that starts with ``first`` is ``then``."""
     for node in ast.walk(func):
         body = getattr(node, "body", None)
         if not isinstance(body, list):
             continue
-        for stmt, nxt in zip(body, body[1:], strict=False):
-            if ast.unparse(stmt).startswith(first):
-                assert ast.unparse(nxt) == then, (first, ast.unparse(nxt))
+        for i, stmt in enumerate(body):
+            if ast.unparse(stmt).startswith(first) and 0 <= i + step < len(body):
+                assert ast.unparse(body[i + step]) == then, (first, ast.unparse(body[i + step]))
                 return
     raise AssertionError(f"no statement starting with {first!r}")
 
@@ -928,12 +931,17 @@ VISIBLE = "os.environ[get_visible_devices_keyword()] = cuda_visible_devices"
 MONKEY_PATCH = "await engine_client.collective_rpc(method='monkey_patch_model', "
 
 
+def _release_files(spec_id: str, version: str) -> dict[str, str]:
+    """The files the spec names, as its distribution's wheel of ``version`` holds them (those it holds)."""
+    spec = next(s for s in load_specs() if s.id == spec_id)
+    paths = [p for _, p in spec.target.files]
+    src = wheel_members(spec.target.distribution, version, paths)
+    return {p: (src / p).read_text() for p in paths if (src / p).exists()}
+
+
 def _verl_files() -> dict[str, str]:
     """verl 0.9.1's files that the spec names, as its wheel holds them (the legacy workers are gone)."""
-    spec = next(s for s in load_specs() if s.id == "verl-fp32-lm-head")
-    paths = [p for _, p in spec.target.files]
-    src = wheel_members("verl", VERL, paths)
-    return {p: (src / p).read_text() for p in paths if (src / p).exists()}
+    return _release_files("verl-fp32-lm-head", VERL)
 
 
 def _first_def(tree: ast.Module) -> ast.AST:
@@ -958,8 +966,9 @@ def _stmt_in(func: Find, start: str) -> Find:
     return lambda tree: next(s for s in _statements(func(tree)) if ast.unparse(s).startswith(start))
 
 
-def _verl_benign(spec: Spec, funcs: list[Find], cls: str) -> list[Mutation]:
-    """What both verl files take and must still be patched through: layout, comments, imports, marker text."""
+def _shared_benign(spec: Spec, funcs: list[Find], region: Find) -> list[Mutation]:
+    """What the verl and TRL files take and must still be patched through: layout, comments, imports, marker text
+    (``funcs``: the functions around the anchors; ``region``: the class or def whose lines take end-of-line comments)."""
     marker = f"# fp32patch: {spec.id} [{spec.edit_ids[-1]}]"
     return [
         Mutation("reformat-signature", reformat_signature(funcs)),
@@ -967,7 +976,7 @@ def _verl_benign(spec: Spec, funcs: list[Find], cls: str) -> list[Mutation]:
         Mutation("comment-line-2", comment_line(funcs[-1])),
         Mutation(
             "end-of-line-comment",
-            end_of_line_comment(lambda t: _path(t, cls), f"# fp32patch: {spec.id} [{spec.edit_ids[0]}]"),
+            end_of_line_comment(region, f"# fp32patch: {spec.id} [{spec.edit_ids[0]}]"),
         ),
         Mutation("blank-lines", blank_lines(funcs[-1])),
         Mutation("decorator", decorator(funcs)),
@@ -1010,7 +1019,11 @@ def _fsdp_mutations(spec: Spec) -> list[Mutation]:
     wrap = _stmt_in(_fsdp_build, WRAP)
     override_in_class = "".join("    " + line if line.strip() else line for line in _lines(FSDP_OVERRIDE))
     return [
-        *_verl_benign(spec, [lambda t: _path(t, "FSDPEngine", "_build_fsdp_module"), _fsdp_build], "FSDPEngine"),
+        *_shared_benign(
+            spec,
+            [lambda t: _path(t, "FSDPEngine", "_build_fsdp_module"), _fsdp_build],
+            lambda t: _path(t, "FSDPEngine"),
+        ),
         # decoys: the wrap statement where the spec does not look
         Mutation(
             "subclass-override",
@@ -1076,7 +1089,7 @@ def _server_mutations(spec: Spec) -> list[Mutation]:
     visible = _stmt_in(_server_init, VISIBLE)
     patch_call = _stmt_in(_server_run, MONKEY_PATCH)
     return [
-        *_verl_benign(spec, [_server_init, _server_run], "vLLMHttpServer"),
+        *_shared_benign(spec, [_server_init, _server_run], lambda t: _path(t, "vLLMHttpServer")),
         # decoys: the anchors where the spec does not look
         Mutation("decoy-class", insert_at(lambda t: _path(t, "vLLMHttpServer"), _block(SERVER_DECOY))),
         Mutation(
@@ -1108,37 +1121,307 @@ def _server_mutations(spec: Spec) -> list[Mutation]:
     ]
 
 
-def _verl_correct(edits: list[tuple[str, str, str, str]]) -> Callable[[str, str, str], None]:
-    """Each of ``edits`` (class, method, the statement it follows, edit id) landed right after its
-    anchor, the gate whole right after the imports, and nothing else changed."""
+# an anchored edit to check: the path of the scope it is in, the start of its anchor statement, the edit's id
+Anchored = tuple[tuple[str, ...], str, str]
+
+
+def _expr(code: str) -> ast.expr:
+    return ast.parse(code.strip(), mode="eval").body
+
+
+class _PutBack(ast.NodeTransformer):
+    """Puts back what each expression ``replace`` wrote (its code) as what it replaced (its match), counting them."""
+
+    def __init__(self, pairs: dict[str, str]) -> None:
+        self.pairs = {ast.dump(_expr(code)): _expr(match) for code, match in pairs.items()}
+        self.kinds = tuple({type(_expr(code)) for code in pairs})
+        self.count = 0
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if isinstance(node, self.kinds) and ast.dump(node) in self.pairs:
+            self.count += 1
+            return self.pairs[ast.dump(node)]
+        return super().visit(node)
+
+
+def _anchored_correct(
+    spec_id: str, path: str, edits: list[Anchored], replaced: tuple[tuple[tuple[str, ...], str], ...] = ()
+) -> Callable[[str, str, str], None]:
+    """The variant's (``args``) edits of the file ``path``, every one of them checked: each of ``edits``
+    right after its anchor statement (insert_after) or right before it (insert_before), each expression
+    ``replaced`` (the path of its scope, the edit's id) rewritten once, in its scope, the gate whole right
+    after the imports, and nothing else changed: the AST, once the edits are taken out or put back, is the input's."""
 
     def correct(before: str, after: str, args: str) -> None:
-        spec = next(s for s in load_specs() if s.id == "verl-fp32-lm-head")
+        spec = next(s for s in load_specs() if s.id == spec_id)
         variant = next(v for v in spec.variants if v.name == args)
-        codes = {e.id: e.code for e in variant.edits}
+        own = {e.id: e for e in variant.edits if spec.target.path_of(e.file) == path}
+        (gate_edit,) = [e for e in own.values() if e.op == "insert_after_imports"]
+        checked = {gate_edit.id, *(i for _, _, i in edits), *(i for _, i in replaced)}
+        assert set(own) == checked, f"edits of {path} the checker does not know: {sorted(set(own) - checked)}"
         tree = ast.parse(after)
-        for cls, func, anchor, edit_id in edits:
-            _follows(_path(tree, cls, func), anchor, ast.unparse(ast.parse(codes[edit_id]).body[0]))
+        for scope, anchor, edit_id in edits:
+            step = {"insert_after": 1, "insert_before": -1}[own[edit_id].op]
+            _follows(_path(tree, *scope), anchor, ast.unparse(ast.parse(own[edit_id].code).body[0]), step=step)
+        for scope, edit_id in replaced:
+            wrote = _expr(own[edit_id].code)
+
+            def written(node: ast.AST, wrote: ast.expr = wrote) -> int:
+                return sum(isinstance(n, type(wrote)) and ast.dump(n) == ast.dump(wrote) for n in ast.walk(node))
+
+            assert written(_path(tree, *scope)) == written(tree) == 1, edit_id
         # the gate: the snippet whole, after the last import that comes before the first def or class
-        gate = ast.parse(next(e.code for e in variant.edits if e.op == "insert_after_imports")).body
+        gate = ast.parse(gate_edit.code).body
         original = ast.parse(before)
         first = original.body.index(_first_def(original))
         at = 1 + max(i for i, n in enumerate(original.body[:first]) if isinstance(n, (ast.Import, ast.ImportFrom)))
         assert [ast.dump(n) for n in tree.body[at : at + len(gate)]] == [ast.dump(n) for n in gate]
+        put_back = _PutBack({own[i].code: own[i].anchor.match for _, i in replaced})
         stripper = _StripSetup()
-        stripped = stripper.visit(ast.parse(after))
+        stripped = stripper.visit(put_back.visit(ast.parse(after)))
+        assert put_back.count == len(replaced)
         assert len(stripper.removed) == len(gate) + len(edits), stripper.removed
         assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it should"
 
     return correct
 
 
-_fsdp_correct = _verl_correct([("FSDPEngine", "_build_model_optimizer", WRAP, "wire-fsdp")])
-_server_correct = _verl_correct(
+_fsdp_correct = _anchored_correct(
+    "verl-fp32-lm-head", VERL_FSDP, [(("FSDPEngine", "_build_model_optimizer"), WRAP, "wire-fsdp")]
+)
+_server_correct = _anchored_correct(
+    "verl-fp32-lm-head",
+    VERL_SERVER,
     [
-        ("vLLMHttpServer", "__init__", VISIBLE, "vllm-env"),
-        ("vLLMHttpServer", "run_server", MONKEY_PATCH, "probe-server"),
+        (("vLLMHttpServer", "__init__"), VISIBLE, "vllm-env"),
+        (("vLLMHttpServer", "run_server"), MONKEY_PATCH, "probe-server"),
+    ],
+)
+
+
+# ---------------------------------------------------------------- trl-fp32-lm-head on TRL's vLLM generation and fused LM head
+
+TRL = "1.16.0"
+TRL_GENERATION = "trl/generation/vllm_generation.py"
+TRL_UTILS = "trl/trainer/utils.py"
+QUANTIZATION = "quantization = None"
+BUILD_LLM = "self.llm = LLM("
+CLIENT = "self.vllm_client = VLLMClient("
+KERNEL = "per_token = _ChunkedLogProbFunction.apply("
+# the scopes a breaking mutation renames, with their new names: a benign mutation after it still finds them
+TRL_RENAMED = {
+    "VLLMGeneration": "VLLMGenerator",
+    "_init_vllm": "_init_engine",
+    "add_fused_lm_head": "add_chunked_lm_head",
+    "_fused_forward": "_chunked_forward",
+}
+
+
+def _trl_files() -> dict[str, str]:
+    """TRL 1.16.0's files that the spec names, as its wheel holds them."""
+    return _release_files("trl-fp32-lm-head", TRL)
+
+
+def _trl_scope(*names: str) -> Find:
+    """The class or def at the path ``names``, each found by its name or the one TRL_RENAMED gives it."""
+
+    def find(tree: ast.AST) -> ast.AST:
+        for name in names:
+            tree = next(
+                n
+                for n in tree.body  # type: ignore[attr-defined]
+                if isinstance(n, (ast.ClassDef, *FUNCS)) and n.name in (name, TRL_RENAMED.get(name))
+            )
+        return tree
+
+    return find
+
+
+def _rename(find: Find, pattern: str, new: str) -> Callable[[str, int], str]:
+    """Every match of the regular expression ``pattern`` in the lines of the node ``find`` returns becomes ``new``."""
+
+    def mutate(text: str, seed: int) -> str:
+        node = find(ast.parse(text))
+        lines = _lines(text)
+        start, end = node.lineno - 1, node.end_lineno  # type: ignore[attr-defined]
+        return "".join([*lines[:start], re.sub(pattern, new, "".join(lines[start:end])), *lines[end:]])
+
+    return mutate
+
+
+def _indented(code: str, by: str) -> str:
+    return "".join(by + line if line.strip() else line for line in _lines(code))
+
+
+_generation = _trl_scope("VLLMGeneration")
+_init_vllm = _trl_scope("VLLMGeneration", "_init_vllm")
+
+# the three anchors of _init_vllm, in code the spec must not look at
+INIT_VLLM_ANCHORS = """\
+def _init_vllm(self):
+    model = self.model
+    if self.mode == "server":
+        self.vllm_client = VLLMClient(base_url=self.server_base_url)
+    quantization = None
+    self.llm = LLM(model=model.name_or_path, quantization=quantization)
+
+"""
+
+
+def _generation_mutations(spec: Spec) -> list[Mutation]:
+    llm, client, quantization = (_stmt_in(_init_vllm, s) for s in (BUILD_LLM, CLIENT, QUANTIZATION))
+    other = INIT_VLLM_ANCHORS.replace("def _init_vllm", "def _reinit_vllm")
+    return [
+        *_shared_benign(spec, [_trl_scope("VLLMGeneration", "__init__"), _init_vllm], _generation),
+        # decoys: the anchors where the spec does not look
+        Mutation(
+            "decoy-class",
+            insert_at(_generation, _block("class VLLMGenerationDecoy:\n" + _indented(INIT_VLLM_ANCHORS, "    "))),
+        ),
+        Mutation(
+            "subclass-override",
+            append("class AsyncVLLMGeneration(VLLMGeneration):\n" + _indented(INIT_VLLM_ANCHORS, "    ")),
+        ),
+        Mutation("other-method", insert_at(_init_vllm, _block(other))),
+        Mutation("module-level-namesake", append(INIT_VLLM_ANCHORS)),
+        Mutation(
+            "anchors-in-a-string",
+            insert_at(
+                _init_vllm,
+                _block(
+                    'logger.debug("quantization = None, then self.llm = LLM(...) or self.vllm_client = VLLMClient(...)")'
+                ),
+                where="body",
+            ),
+        ),
+        # breaking: each must be refused
+        Mutation("llm-twice", insert_at(llm, _block("self.llm = LLM(model=model.name_or_path)")), breaking=True),
+        Mutation(
+            "llm-in-nested-def",
+            insert_at(llm, _block("def _rebuild():\n    self.llm = LLM(model=model.name_or_path)\n")),
+            breaking=True,
+        ),
+        Mutation("llm-changed", _on_line(llm, "= LLM(", "= self._build_llm("), breaking=True),
+        # a second `quantization = None`, in the server branch: which one does vLLM's switch go before?
+        Mutation("quantization-twice", insert_at(client, _block(QUANTIZATION)), breaking=True),
+        Mutation(
+            "quantization-changed",
+            _on_line(quantization, QUANTIZATION, "quantization = self.quantization"),
+            breaking=True,
+        ),
+        Mutation(
+            "client-twice",
+            insert_at(llm, _block("self.vllm_client = VLLMClient(base_url=self.server_base_url)")),
+            breaking=True,
+        ),
+        Mutation("client-changed", _on_line(client, "VLLMClient(", "VLLMClient.connect("), breaking=True),
+        Mutation("method-renamed", _rename(_generation, r"\b_init_vllm\b", "_init_engine"), breaking=True),
+        Mutation("class-renamed", _on_line(_generation, "class VLLMGeneration", "class VLLMGenerator"), breaking=True),
+        # the inserted calls read _init_vllm's local `model`: renamed there (keywords `model=` kept), an undefined name
+        Mutation("model-renamed", _rename(_init_vllm, r"(?<![\w.])model(?![\w=])", "policy"), breaking=True),
+        Mutation(
+            "duplicate-class",
+            append("if TYPE_CHECKING:\n\n    class VLLMGeneration:\n" + _indented(INIT_VLLM_ANCHORS, "        ")),
+            breaking=True,
+        ),
+        Mutation("gate-name-clash", append("def _fp32patch_probe_colocated(llm, model):\n    pass\n"), breaking=True),
+        # Left out, a known weakness of the patcher: an anchor *moved* (not copied) into a def nested in the
+        # scope, e.g. `quantization = None` as the body of a new `def _unused():` inside _init_vllm, is not
+        # refused: statements are matched at any depth under the scope, so vLLM's switch is set inside that
+        # inner def, which may never run. Add it here as breaking once the patcher refuses it.
     ]
+
+
+_fused_outer = _trl_scope("add_fused_lm_head")
+_fused_forward = _trl_scope("add_fused_lm_head", "_fused_forward")
+
+FUSED_NAMESAKE = """\
+def _fused_forward(self, hidden_states, weight, labels):
+    return _ChunkedLogProbFunction.apply(hidden_states, weight, None, labels)
+
+"""
+
+
+def _fused_mutations(spec: Spec) -> list[Mutation]:
+    kernel = _stmt_in(_fused_forward, KERNEL)
+    return [
+        *_shared_benign(spec, [_fused_outer, _fused_forward], _fused_outer),
+        # decoys: the kernel where the spec does not look (its scope is the nested _fused_forward only)
+        Mutation(
+            "kernel-in-outer-function",
+            insert_at(_fused_outer, _block("_stock_kernel = _ChunkedLogProbFunction.apply"), where="body"),
+        ),
+        Mutation(
+            "sibling-nested-def",
+            insert_at(_fused_forward, _block(FUSED_NAMESAKE.replace("_fused_forward", "_fused_eval"))),
+        ),
+        Mutation(
+            "other-function",
+            insert_at(
+                _fused_outer, _block(FUSED_NAMESAKE.replace("def _fused_forward", "def chunked_log_probs") + "\n")
+            ),
+        ),
+        Mutation("module-level-namesake", append(FUSED_NAMESAKE)),
+        Mutation(
+            "decoy-outer-function",
+            append(
+                "def add_fused_value_head(model):\n" + _indented(FUSED_NAMESAKE, "    ") + "    return _fused_forward\n"
+            ),
+        ),
+        # breaking: each must be refused
+        Mutation(
+            "kernel-twice",
+            insert_at(
+                kernel, _block("ref_per_token = _ChunkedLogProbFunction.apply(hidden_states, weight, bias, labels)")
+            ),
+            breaking=True,
+        ),
+        Mutation(
+            "kernel-in-nested-def",
+            insert_at(
+                kernel,
+                _block(
+                    "def _reference(hidden_states):\n    return _ChunkedLogProbFunction.apply(hidden_states, weight)\n"
+                ),
+            ),
+            breaking=True,
+        ),
+        Mutation(
+            "kernel-changed", _on_line(kernel, "_ChunkedLogProbFunction.apply(", "chunked_log_probs("), breaking=True
+        ),
+        Mutation("nested-def-renamed", _rename(_fused_outer, r"\b_fused_forward\b", "_chunked_forward"), breaking=True),
+        Mutation(
+            "function-renamed",
+            _on_line(_fused_outer, "def add_fused_lm_head", "def add_chunked_lm_head"),
+            breaking=True,
+        ),
+        # the replacement reads _fused_forward's `self`: renamed there, an undefined name
+        Mutation("self-renamed", _rename(_fused_forward, r"(?<![\w.])self\b", "module"), breaking=True),
+        # a second definition (a fallback without Triton, say): which one runs?
+        Mutation(
+            "duplicate-function",
+            append(
+                "if not is_triton_available():\n\n"
+                + _indented("def add_fused_lm_head(model):\n" + _indented(FUSED_NAMESAKE, "    "), "    ")
+            ),
+            breaking=True,
+        ),
+        Mutation("gate-name-clash", append("_fp32patch_fused_kernel = None\n"), breaking=True),
+        # left out: the kernel call moved into a def nested in _fused_forward, not refused (see _generation_mutations)
+    ]
+
+
+_generation_correct = _anchored_correct(
+    "trl-fp32-lm-head",
+    TRL_GENERATION,
+    [
+        (("VLLMGeneration", "_init_vllm"), QUANTIZATION, "vllm-env"),
+        (("VLLMGeneration", "_init_vllm"), BUILD_LLM, "probe-colocated"),
+        (("VLLMGeneration", "_init_vllm"), CLIENT, "probe-server"),
+    ],
+)
+_fused_correct = _anchored_correct(
+    "trl-fp32-lm-head", TRL_UTILS, [], replaced=((("add_fused_lm_head", "_fused_forward"), "fused-kernel"),)
 )
 
 
@@ -1251,6 +1534,24 @@ CASES = [
         for label, path, mutations, correct in (
             ("fsdp-engine", VERL_FSDP, _fsdp_mutations, _fsdp_correct),
             ("vllm-server", VERL_SERVER, _server_mutations, _server_correct),
+        )
+    ),
+    *(
+        Case(
+            "trl-fp32-lm-head",
+            f"trl-{TRL}-{label}",
+            lambda path=path: _trl_files()[path],
+            TRL,
+            path,
+            mutations,
+            correct,
+            "chunked-logprobs",
+            examples,
+            others=lambda path=path: {p: t.encode() for p, t in _trl_files().items() if p != path},
+        )
+        for label, path, mutations, correct, examples in (
+            ("vllm-generation", TRL_GENERATION, _generation_mutations, _generation_correct, 5),
+            ("fused-lm-head", TRL_UTILS, _fused_mutations, _fused_correct, 5),
         )
     ),
 ]
