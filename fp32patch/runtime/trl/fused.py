@@ -12,8 +12,11 @@ master weights: the values vLLM receives), with fp32 products, the temperature d
 fp32 logits, and ``lm_head_gemm``'s backward in the trainer's mode.
 
 What TRL gathered stays TRL's: FSDP2's ``full_tensor()`` and DeepSpeed ZeRO-3's gather around
-the call (under ZeRO-3 a bf16 weight is copied for the backward, which runs after TRL's gather
-has ended). Refused, at ``mark`` or at the call: a head with a bias, a final logit soft-cap
+the call. Under ZeRO-3 a bf16 weight is copied for the backward: the backward must not read a
+partitioned (emptied) parameter. With DeepSpeed 0.19.8 it never meets one (ZeRO-3's discovery of
+external parameters gathers the head when TRL's forward reads it, and gathers it again before the
+backward; tests/heavy/trl/test_zero3_fused.py), so the copy is a guard for other releases that
+costs one bf16 head from the forward to the backward. Refused, at ``mark`` or at the call: a head with a bias, a final logit soft-cap
 (fp32patch's chunked piece has neither), a logit scale <= 0, outputs other than the log-probs
 and the entropy, and operands in fp32 (a trainer in fp32 throughout).
 
@@ -98,7 +101,7 @@ class ChunkedLogProbs:
         dtype = _compute_dtype(hidden)
         operand = weight.to(dtype)
         if operand is weight and hasattr(weight, "ds_id"):
-            # a ZeRO-3 parameter is emptied when TRL's gather ends, before the backward reads it
+            # a ZeRO-3 parameter may be partitioned (emptied) again before the backward reads it
             operand = weight.clone()
         # the scale multiplies the logits before the temperature divides them: one fp32 division
         result = chunked_logprobs(
