@@ -182,6 +182,32 @@ def descendants(node: cst.CSTNode) -> list[cst.CSTNode]:
     return collect.nodes
 
 
+class _CollectOwn(_Collect):
+    """Like ``_Collect``, but a function's own code only: a def or class nested in it is recorded
+    and not entered (its body runs only when something calls it, not as part of the function)."""
+
+    def __init__(self, root: cst.CSTNode) -> None:
+        super().__init__()
+        self.root = root
+        self.nested: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if node is not self.root and isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+            self.nested.append(node)
+            return False
+        return super().on_visit(node)
+
+
+def own_descendants(scope: cst.CSTNode) -> tuple[list[cst.CSTNode], list[cst.CSTNode]]:
+    """The nodes an anchor in ``scope`` may be: a function's own code (not that of a def or class
+    nested in it); a class's or a module's every node. Also the nested defs and classes left out."""
+    if not isinstance(scope, cst.FunctionDef):
+        return descendants(scope), []
+    collect = _CollectOwn(scope)
+    scope.visit(collect)
+    return collect.nodes, collect.nested
+
+
 def _statement_bodies(stmt: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """The statements directly inside a compound statement (all of its blocks), in order."""
     parts: list[object] = [getattr(stmt, "body", None)]
@@ -278,13 +304,29 @@ def find(
         code = CodePattern.parse(pattern.match, statement=statement)
         types = match_types or code.cst_types()
         seen: set[int] = set()
+        nested: list[cst.CSTNode] = []
         for scope in scopes:
-            for node in descendants(scope):
+            own, inner = own_descendants(scope)
+            nested += inner
+            for node in own:
                 if id(node) in seen or not isinstance(node, types):
                     continue
                 if code.matches(module, node):
                     seen.add(id(node))
                     matches.append(node)
+        # A def or class nested in a function scope runs only when something calls it. An anchor found
+        # there too makes the match ambiguous (counted, as before); found only there, it is not taken (an
+        # edit would never run as part of the function) and the refusal says where it went.
+        inside: dict[int, tuple[cst.CSTNode, str]] = {}
+        for inner in nested:
+            for n in descendants(inner):
+                if id(n) not in seen and id(n) not in inside and isinstance(n, types) and code.matches(module, n):
+                    inside[id(n)] = (n, inner.name.value)  # type: ignore[attr-defined]
+        if inside and matches:
+            matches += [n for n, _ in inside.values()]
+        elif inside:
+            names = ", ".join(dict.fromkeys(f"`{name}`" for _, name in inside.values()))
+            near.append(f"only inside a def or class nested in the scope ({names}), which the scope does not run")
     return Found(scopes=scopes, near_misses=near, matches=matches)
 
 
