@@ -266,6 +266,21 @@ def _block(code: str) -> Callable[[str, int], str]:
     return lambda ind, seed: "".join(ind + line if line.strip() else line for line in _lines(code)) + "\n"
 
 
+def moved_into_nested(find: Find, name: str) -> Callable[[str, int], str]:
+    """The statement ``find`` returns, moved (not copied) into a new def nested where it stood: it
+    runs only if something calls that def, so an edit anchored on it there would never run."""
+
+    def mutate(text: str, seed: int) -> str:
+        node = find(ast.parse(text))
+        lines = _lines(text)
+        first, last = _first_line(node) - 1, node.end_lineno  # type: ignore[attr-defined]
+        ind = _indent(lines[first])
+        body = "".join("    " + line if line.strip() else line for line in lines[first:last])
+        return "".join([*lines[:first], f"{ind}def {name}():\n", body, *lines[last:]])
+
+    return mutate
+
+
 def append(code: str) -> Callable[[str, int], str]:
     return lambda text, seed: text + "\n\n" + code
 
@@ -1325,10 +1340,9 @@ def _generation_mutations(spec: Spec) -> list[Mutation]:
             breaking=True,
         ),
         Mutation("gate-name-clash", append("def _fp32patch_probe_colocated(llm, model):\n    pass\n"), breaking=True),
-        # Left out, a known weakness of the patcher: an anchor *moved* (not copied) into a def nested in the
-        # scope, e.g. `quantization = None` as the body of a new `def _unused():` inside _init_vllm, is not
-        # refused: statements are matched at any depth under the scope, so vLLM's switch is set inside that
-        # inner def, which may never run. Add it here as breaking once the patcher refuses it.
+        # an anchor moved (not copied) into a def nested in the scope: an edit there would never run
+        Mutation("quantization-moved-into-nested-def", moved_into_nested(quantization, "_unused"), breaking=True),
+        Mutation("llm-moved-into-nested-def", moved_into_nested(llm, "_build"), breaking=True),
     ]
 
 
@@ -1407,7 +1421,7 @@ def _fused_mutations(spec: Spec) -> list[Mutation]:
             breaking=True,
         ),
         Mutation("gate-name-clash", append("_fp32patch_fused_kernel = None\n"), breaking=True),
-        # left out: the kernel call moved into a def nested in _fused_forward, not refused (see _generation_mutations)
+        Mutation("kernel-moved-into-nested-def", moved_into_nested(kernel, "_later"), breaking=True),
     ]
 
 
@@ -1453,7 +1467,7 @@ CASES = [
         _nemotron_mutations,
         _nemotron_correct,
         "hidden_states",
-        100,
+        40,
     ),
     Case(
         "nemotron-h-fp32-lm-head",
@@ -1464,7 +1478,7 @@ CASES = [
         _nemotron_mutations,
         _nemotron_correct,
         "hidden_states, sampling_metadata",
-        80,
+        30,
     ),
     *(
         Case(
@@ -1476,7 +1490,7 @@ CASES = [
             lambda spec, variant=variant: _logits_mutations(spec, variant),
             _logits_correct,
             variant,
-            50,
+            30,
         )
         for version, variant in (("0.33.0", "native-head-dtype"), ("0.25.1", "head-gemm"), ("0.10.2", "head-gemm"))
     ),
@@ -1500,7 +1514,7 @@ CASES = [
         _setup_mutations,
         _setup_correct,
         "",
-        100,
+        25,
         others=lambda: {p: t.encode() for p, t in _nemo_rl_checkout().items() if p != SETUP},
     ),
     *(
@@ -1513,7 +1527,7 @@ CASES = [
             _dtensor_mutations(path),
             _dtensor_correct(path),
             "",
-            24,
+            12,
             others=lambda path=path: {p: t.encode() for p, t in _nemo_rl_checkout().items() if p != path},
         )
         for label, path in (("dtensor", DTENSOR), ("dtensor-v2", DTENSOR_V2))
@@ -1528,7 +1542,7 @@ CASES = [
             mutations,
             correct,
             "engine-workers",
-            12,
+            6,
             others=lambda path=path: {p: t.encode() for p, t in _verl_files().items() if p != path},
         )
         for label, path, mutations, correct in (

@@ -65,11 +65,23 @@ def _untied(runs: list[dict]) -> list[dict]:
     return [r for r in runs if r not in _tied(runs)]
 
 
+# Each kind costs two two-rank jobs (stock and patched, about 1.5 min each on two cores). Under verl
+# 0.7 only the untied FSDP1 runs (torch and triton); FSDP2 with a tied head runs under 0.9, where
+# verl.fused's code is the same: the suites' time stays in make test's budget.
+KINDS = ("untied", "tied") if LIGER else ("untied",)
+
+
+def _kind(kind: str) -> None:
+    if kind not in KINDS:
+        pytest.skip(f"the {kind} model's runs are verl 0.9's (time budget; same verl.fused code)")
+
+
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory, models) -> dict:
     root = str(patched_root(tmp_path_factory.mktemp("verl-fused-tree")))
     out = {}
-    for kind, path in (("untied", models["untied"]), ("tied", models["tied"])):
+    for kind in KINDS:
+        path = models[kind]
         pick = _tied if kind == "tied" else _untied
         out[f"stock-{kind}"] = _job(tmp_path_factory, path, None, [pick(STOCK_RUNS)])
         out[f"patched-{kind}"] = _job(tmp_path_factory, path, root, [pick(OFF_RUNS), pick(ON_RUNS + UNTIED_FSDP2)])
@@ -101,6 +113,7 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("kind", "name"), [("untied", "fsdp1-torch"), ("tied", "fsdp2-tied-torch")])
 def test_switch_off_the_fused_path_is_verls_bit_for_bit(trees, kind, name):
+    _kind(kind)
     for before, after in zip(_ok(trees[f"stock-{kind}"], name), _ok(trees[f"patched-{kind}"], name), strict=True):
         assert torch.equal(before["infer"], after["infer"])
         assert torch.equal(before["infer_entropy"], after["infer_entropy"])
@@ -124,6 +137,7 @@ def test_switch_off_the_fused_path_is_verls_bit_for_bit(trees, kind, name):
     ],
 )
 def test_switch_on_fp32_grade_log_probs_and_entropy_and_a_finite_step(trees, kind, name, stock_name):
+    _kind(kind)
     for one, stock in zip(_ok(trees[f"patched-{kind}"], name), _ok(trees[f"stock-{kind}"], stock_name), strict=True):
         assert one["infer_head"] == [], "the fused path never calls the head"
         assert set(one["infer_logits_dtypes"]) == {None}
@@ -143,6 +157,7 @@ def test_switch_on_fp32_grade_log_probs_and_entropy_and_a_finite_step(trees, kin
 
 
 def test_the_reference_policy_gets_the_same_path(trees):
+    _kind("tied")
     for one in _ok(trees["patched-tied"], "ref-fsdp2-tied-torch-on"):
         assert "update" not in one
         assert _error(one["infer"], _reference(one)[0]) < FP32_BOUND
