@@ -77,25 +77,67 @@ def test_an_unknown_environment_is_refused(envs):
 
 
 def test_a_recipes_install_flags_reach_the_build_from_its_lock(envs, monkeypatch, tmp_path):
-    # a lock is installed with --no-deps; a flag the recipe needed to resolve (megatron-core
-    # declares a newer Python than some of ours) is needed again to install it
+    # a lock is installed with --no-deps, by uv; a distribution the recipe needed a pip flag
+    # to resolve (megatron-core declares a newer Python than some of ours; uv has no flag that
+    # overlooks it) is installed by pip with that flag again
     assert envs.lock_flags("megatron") == ["--ignore-requires-python"]
     assert envs.lock_flags("vllm-0.33") == []
     monkeypatch.setattr(envs, "LOCKS", tmp_path)
-    (tmp_path / "megatron.txt").write_text("six==1.16.0\n")
+    (tmp_path / "megatron.txt").write_text("# header\nsix==1.16.0\nmegatron-core==0.19.2\nnumpy==2.4.1\n")
     runs: list[list[str]] = []
-    monkeypatch.setattr(envs, "_fresh_venv", lambda target: (target.mkdir(parents=True), ["pip"])[1])
-    monkeypatch.setattr(envs.subprocess, "run", lambda args, **kw: runs.append(args) or _done())
+    handed: list[str] = []
+
+    def run(args, **kw):
+        runs.append(args)
+        if args[1:3] == ["pip", "install"]:
+            handed.append(Path(args[-1]).read_text())
+            assert kw["env"]["UV_CACHE_DIR"] == str(envs.cache_root() / "uv")
+        return _done()
+
+    monkeypatch.delenv("UV_CACHE_DIR", raising=False)
+    monkeypatch.setattr(envs, "_fresh_venv", lambda target: (target.mkdir(parents=True), ["py", "-m", "pip"])[1])
+    monkeypatch.setattr(envs, "_uv", lambda: "uv")
+    monkeypatch.setattr(envs.subprocess, "run", run)
     envs.build("megatron")
-    assert runs[0] == [
+    by_uv = next(args for args in runs if args[0] == "uv")
+    assert by_uv[:7] == ["uv", "pip", "install", "-q", "--no-deps", "--python", "py"]
+    assert handed == ["six==1.16.0\n"]
+    assert [
+        "py",
+        "-m",
         "pip",
         "install",
         "-q",
         "--no-deps",
         "--ignore-requires-python",
-        "-r",
-        str(tmp_path / "megatron.txt"),
+        "megatron-core==0.19.2",
+        "numpy==2.4.1",
+    ] in runs
+
+
+def test_uv_takes_the_package_sources_pip_is_configured_with(envs, monkeypatch, tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    listed = (
+        f"global.find-links='{wheels}'\n"
+        f":env:.find-links='{wheels}'\n"
+        f"global.extra-index-url='file://{tmp_path}/gone/simple https://mirror.example/simple'\n"
+        "global.timeout='60'\n"
+    )
+    monkeypatch.setattr(envs.subprocess, "run", lambda args, **kw: _done(0, listed))
+    assert envs.pip_sources(["pip"]) == [
+        "--find-links",
+        str(wheels),
+        "--extra-index-url",
+        "https://mirror.example/simple",
     ]
+
+
+def test_a_missing_uv_is_refused_with_how_to_get_it(envs, monkeypatch, tmp_path):
+    monkeypatch.setattr(envs.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"uv not found .*make install"):
+        envs._uv()
 
 
 def _done(returncode: int = 0, stdout: str = "") -> subprocess.CompletedProcess:
