@@ -36,9 +36,11 @@ rounds is reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -55,12 +57,14 @@ from bench import lm_head  # noqa: E402  (time_ms, StockLinear)
 from fp32patch.runtime.kernels.chunked_logprobs import (  # noqa: E402
     DEFAULT_CHUNK_ROWS,
     DEFAULT_CHUNK_VOCAB,
+    GEMM_LSE_ENV_VAR,
     RowStats,
     chunked_logprobs,
     fold_tile,
     grad_tile,
 )
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
+from fp32patch.runtime.trl.fused import TILE as TRL_TILE  # noqa: E402
 
 DEVICE = "cuda"
 HIDDEN, VOCAB = 4096, 152064  # Qwen2.5-7B's hidden size and vocabulary
@@ -205,6 +209,19 @@ class TrlBf16Tiles(torch.autograd.Function):
 # ---------------------------------------------------------------- the ways
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    kept = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if kept is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = kept
+
+
 @dataclass
 class Way:
     """One log-prob path: ``fn(x, w, targets, fused_wgrad) -> log_probs``; ``main_grad``: its
@@ -237,8 +254,19 @@ def _unfused_bf16(x, w, targets, fuse=False):
     return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
 
 
-def _ours(mode: str, entropy: bool = False, rows: int | None = None, vocab: int | None = None) -> Callable:
+def _ours(
+    mode: str, entropy: bool = False, rows: int | None = None, vocab: int | None = None, tiles: bool = False
+) -> Callable:
+    """``tiles``: the forward writes and folds its tiles even where the fused GEMM + logsumexp
+    kernel would run (FP32PATCH_GEMM_LSE=0), as before that kernel."""
+
     def fn(x, w, targets, fuse=False):
+        if tiles:
+            with _env(GEMM_LSE_ENV_VAR, "0"):
+                return fn_(x, w, targets, fuse)
+        return fn_(x, w, targets, fuse)
+
+    def fn_(x, w, targets, fuse=False):
         out = chunked_logprobs(
             x,
             w,
@@ -261,6 +289,8 @@ WAYS: dict[str, Way] = {
     "TRL bf16 tiles (4096x32768)": Way(lambda x, w, t, fuse=False: TrlBf16Tiles.apply(x, w, t, TEMPERATURE)),
     "fp32patch fp32out": Way(_ours("fp32out"), main_grad=True),
     "fp32patch fp32out +entropy": Way(_ours("fp32out", entropy=True), main_grad=True),
+    "fp32patch fp32out, tiled forward": Way(_ours("fp32out", tiles=True), main_grad=True),
+    "fp32patch fp32out, TRL's tile": Way(_ours("fp32out", rows=TRL_TILE[0], vocab=TRL_TILE[1]), main_grad=True),
     "fp32patch fp32out-bf16grad": Way(_ours("fp32out-bf16grad"), main_grad=True, parts=("train",)),
     "unfused fp32out head": Way(_unfused("fp32out"), main_grad=True),
     "unfused bf16 head": Way(_unfused_bf16),

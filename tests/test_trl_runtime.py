@@ -222,6 +222,24 @@ def test_bf16_weights_without_autocast_and_the_log_probs_alone():
     assert torch.allclose(logp.double(), _reference(h, w, t, 1.0)[0], atol=1e-5, rtol=0)
 
 
+def test_trls_path_takes_the_tile_measured_against_trls_own(monkeypatch):
+    from fp32patch.runtime.kernels import chunked_logprobs as cl
+    from fp32patch.runtime.trl import fused
+
+    seen = {}
+    real = cl.chunked_logprobs
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cl, "chunked_logprobs", spy)
+    h, w, t = _inputs(weight_dtype=torch.bfloat16)
+    ChunkedLogProbs("fp32out").apply(h.bfloat16(), w, None, t, 1.0, 4096, outputs=("log_probs",))
+    # TRL's chunk_size (its own tile's tokens) is not ours: the tile is measured (bench/RESULTS.md)
+    assert (seen["chunk_rows"], seen["chunk_vocab"]) == fused.TILE == (8192, 32768)
+
+
 def test_a_logit_scale_multiplies_the_logits_before_the_temperature_divides_them():
     h, w, t = _inputs(weight_dtype=torch.bfloat16)
     logp, *_ = ChunkedLogProbs("fp32out").apply(h.bfloat16(), w, None, t, 0.8, 4096, None, 0.25, ("log_probs",))

@@ -10,7 +10,10 @@ log-probs). For each tile of ``chunk_rows`` tokens by ``chunk_vocab`` vocabulary
   upcast on the CPU), are divided by the temperature in fp32, and are folded into per-token
   running statistics in fp32 (an online logsumexp: the maximum, the sum of exponentials, the
   target's logit, and for the entropy the exp-weighted sum of logits). Nothing of the tile is
-  kept;
+  kept. On Hopper and newer GPUs the fp32out modes' forward writes no tile at all: one Triton
+  kernel computes the GEMM with an fp32 accumulator and folds each block of logits in
+  registers (``gemm_lse_triton``; faster than cuBLAS's bf16 GEMM writing bf16 tiles, measured);
+  ``chunk_vocab`` then does not apply to the forward;
 - backward: the tile's logits are computed again, turned into the fp32 gradient with
   respect to the logits (``grad_logp * (onehot - p) - grad_entropy * p * (log p + H)``,
   divided by the temperature), and handed to ``lm_head_gemm``'s backward GEMMs in ``mode``,
@@ -51,11 +54,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
-from fp32patch.runtime.kernels.lm_head_gemm import _backward_gemms, _deliver_weight_grad, _fwd_mm, _precision
+from fp32patch.runtime.kernels.lm_head_gemm import (
+    _UPCAST_MODES,
+    _backward_gemms,
+    _deliver_weight_grad,
+    _fwd_mm,
+    _precision,
+)
 from fp32patch.runtime.modes import MEGATRON_MODES
 
 if TYPE_CHECKING:
     import torch
+
+# "0" keeps the forward's tiles where the fused GEMM + logsumexp kernel would run (gemm_lse_triton)
+GEMM_LSE_ENV_VAR = "FP32PATCH_GEMM_LSE"
 
 # Tile sizes measured on an H200 (bench/fused_logprobs.py, bench/RESULTS.md): tokens and
 # vocabulary entries per tile.
@@ -439,10 +451,16 @@ class _TritonKernels:
 
 def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan):
     """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]."""
-    import torch
-
     stats = RowStats(x.shape[0], x.device, plan.entropy)
     local = targets - plan.vocab_start
+    fused = _gemm_lse(plan, x, weight)
+    if fused is not None:
+        for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
+            m, s, zs, tz = fused.block_stats(x[r0:r1], weight, local[r0:r1], plan.temperature, plan.entropy)
+            stats.m[r0:r1], stats.s[r0:r1], stats.target[r0:r1] = m, s, tz
+            if zs is not None:
+                stats.zs[r0:r1] = zs
+        return _merge_ranks(stats, plan)
     with _precision(plan.mode, x.device):
         for v0, v1 in _spans(weight.shape[0], plan.chunk_vocab):
             block = weight[v0:v1]
@@ -450,6 +468,28 @@ def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 tile = _fwd_mm(plan.mode, x[r0:r1], block)
                 fold_tile(tile, local[r0:r1], v0, plan.temperature, stats.rows(r0, r1))
                 del tile
+    return _merge_ranks(stats, plan)
+
+
+def _gemm_lse(plan: _Plan, x: torch.Tensor, weight: torch.Tensor) -> Any:
+    """The fused GEMM + logsumexp kernel module when it computes this forward (the fp32out
+    modes, whose forward is the fp32-output GEMM, on a GPU and operands it takes, Triton not
+    switched off: ``FP32PATCH_TRITON=0``, or ``FP32PATCH_GEMM_LSE=0`` for this kernel alone), else
+    None: then the tiles are written and folded."""
+    if plan.mode in _UPCAST_MODES or x.device.type != "cuda":
+        return None
+    if os.environ.get(TRITON_ENV_VAR, "1") == "0" or os.environ.get(GEMM_LSE_ENV_VAR, "1") == "0":
+        return None
+    from fp32patch.runtime.kernels import gemm_lse_triton
+
+    return gemm_lse_triton if gemm_lse_triton.usable(x, weight) else None
+
+
+def _merge_ranks(stats: RowStats, plan: _Plan):
+    """log Z, the target's logit and the entropy (or None) from this rank's statistics, merged
+    over the tensor-parallel group when there is one."""
+    import torch
+
     m = stats.m
     world, _ = _world_and_rank(plan.group)
     if world > 1:

@@ -67,6 +67,13 @@ def mark(model: Any, mode: str, *, role: str) -> Any:
     return model
 
 
+# The backward's tile for TRL (tokens x vocabulary entries), measured on an H200 against TRL
+# 1.16's own bf16 tiles (bench/RESULTS.md, 2026-12-03): forward + backward 1.04x / 1.00x of
+# TRL's time at 16k / 64k tokens with a peak under TRL's (3.91 vs 4.11, 4.66 vs 5.23 GiB);
+# chunked_logprobs' default (8192 x 16384, kept under verl's smaller peak) took 1.05x / 1.02x.
+TILE = (8192, 32768)
+
+
 class ChunkedLogProbs:
     """``apply`` takes TRL's ``ChunkedLogProbFunction.apply`` arguments (1.15, 1.16) and returns
     what it returns, ``(log_probs, entropy, None, None, None)``, computed at fp32 grade."""
@@ -111,6 +118,8 @@ class ChunkedLogProbs:
             mode=self.mode,
             temperature=float(temperature) / float(logit_scale),
             entropy="entropy" in outputs,
+            chunk_rows=TILE[0],
+            chunk_vocab=TILE[1],
         )
         log_probs, entropy = result if "entropy" in outputs else (result, None)
         return log_probs, entropy, None, None, None
