@@ -68,8 +68,9 @@ def test_the_fused_forward_writes_no_tile_and_is_fp32_grade(monkeypatch, t, h, v
         f"{tiles_err.max():.2e}, bf16 {bf16_err.mean():.2e}; entropy {ent_err.max():.2e}/{tiles_ent_err.max():.2e}"
     )
     print(numbers)
-    # fp32 grade: bf16 logits are off by ~2e-2 on average at this logit size
-    assert err.mean() < bf16_err.mean() / 500, numbers
+    # fp32 grade (issue 32's goal: at most 1/100 of bf16's error; targets drawn uniformly, as
+    # here, are far in the tail, where both fp32 paths' error grows alike)
+    assert err.mean() < bf16_err.mean() / 100, numbers
     # one fp32 summation of the exact products over H, where cuBLAS may split the sum at a
     # few rows (halving its rounding); at the benchmark's shape both errors are equal
     assert err.mean() < 3 * tiles_err.mean() + 1e-7 and err.max() < 3 * tiles_err.max() + 1e-6, numbers
