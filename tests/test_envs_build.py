@@ -100,7 +100,7 @@ def test_a_recipes_install_flags_reach_the_build_from_its_lock(envs, monkeypatch
     monkeypatch.setattr(envs.subprocess, "run", run)
     envs.build("megatron")
     by_uv = next(args for args in runs if args[0] == "uv")
-    assert by_uv[:7] == ["uv", "pip", "install", "-q", "--no-deps", "--python", "py"]
+    assert by_uv[:8] == ["uv", "pip", "install", "-q", "--no-deps", "--compile-bytecode", "--python", "py"]
     assert handed == ["six==1.16.0\n"]
     assert [
         "py",

@@ -16,9 +16,9 @@ recipe says so), resolved anew on that day, and the environment is rebuilt from 
     python tests/envs/build.py --refresh NAME ...  # resolve the recipe today, write the lock
 
 A lock is installed by uv (``install_lock``: parallel downloads, each wheel unpacked once
-into ``$FP32PATCH_TEST_CACHE/uv`` and hardlinked into every environment that pins it; all
-nine environments build in under 3 minutes from a cold cache here, against 16 with pip), with
-pip only for what needs one of pip's flags. Environments share what they have in common:
+into ``$FP32PATCH_TEST_CACHE/uv`` and hardlinked into every environment that pins it, the
+bytecode compiled; docs/development.md gives the build times), with pip only for what needs
+one of pip's flags. Environments share what they have in common:
 besides the wheels uv links, each large file an environment holds that another built
 environment holds at the same place with the same bytes becomes a hardlink to that one, so two
 environments at one torch take its space once. Nothing writes through such a link: a rebuild
@@ -277,8 +277,8 @@ def install_lock(name: str, pip: list[str], lock: Path) -> None:
 
     uv installs it (parallel downloads; each wheel unpacked once into a cache under
     ``$FP32PATCH_TEST_CACHE/uv`` and hardlinked from there, so environments at one torch
-    hold it once, and no bytecode compiled ahead); pip installs the distributions that a
-    recipe's step needed a pip flag for (megatron-core declares a newer Python than it needs:
+    hold it once; the bytecode compiled in the environment, as pip does); pip installs the
+    distributions that a recipe's step needed a pip flag for (megatron-core declares a newer Python than it needs:
     uv has no flag that overlooks it)."""
     flagged = _flagged_names(name)
     lines = _lock_lines(lock)
@@ -296,6 +296,9 @@ def install_lock(name: str, pip: list[str], lock: Path) -> None:
                     "install",
                     "-q",
                     "--no-deps",
+                    # as pip does: the suites start many processes, and this machine kind sets
+                    # PYTHONDONTWRITEBYTECODE, so nothing else would (each would compile torch)
+                    "--compile-bytecode",
                     "--python",
                     pip[0],
                     "--index-strategy",
