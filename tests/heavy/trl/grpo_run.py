@@ -41,6 +41,22 @@ PROMPTS = [
 TEMPERATURE = 0.7
 
 
+def tiny_untied_qwen2(vocab: int = 384, hidden: int = 64):
+    """The fused-forward suites' model (FSDP2, ZeRO-3): a two-layer Qwen2 with its own head,
+    seeded, the head scaled to logits of ~10, where bf16 rounds them coarsely."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return model
+
+
 @dataclasses.dataclass
 class RunSettings:
     model: str

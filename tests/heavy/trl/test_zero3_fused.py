@@ -43,7 +43,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.heavy.trl.grpo_run import TEMPERATURE
+from tests.heavy.trl.grpo_run import TEMPERATURE, tiny_untied_qwen2
 
 pytestmark = [
     pytest.mark.xdist_group("trainers"),
@@ -57,16 +57,7 @@ VOCAB, HIDDEN, TOKENS = 384, 64, 12
 
 
 def _model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)  # fmt: skip
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)  # logits of ~10, where bf16 rounds them coarsely
-    return model
+    return tiny_untied_qwen2(VOCAB, HIDDEN)
 
 
 def _config(layout: str) -> dict:
