@@ -456,7 +456,7 @@ def share(name: str, min_bytes: int = SHARE_MIN_BYTES) -> int:
             os.replace(staged, path)
             saved += stat.st_size
             break
-    if saved:
+    if saved >= 2**26:  # uv's links share the wheels already; what is left is said when it counts
         print(f"[envs] {name}: {saved / 2**30:.1f} GiB shared with the other environments", flush=True)
     return saved
 
