@@ -40,7 +40,6 @@ import contextlib
 import datetime as dt
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
@@ -209,19 +208,6 @@ class TrlBf16Tiles(torch.autograd.Function):
 # ---------------------------------------------------------------- the ways
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    kept = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if kept is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = kept
-
-
 @dataclass
 class Way:
     """One log-prob path: ``fn(x, w, targets, fused_wgrad) -> log_probs``; ``main_grad``: its
@@ -261,23 +247,18 @@ def _ours(
     kernel would run (FP32PATCH_GEMM_LSE=0), as before that kernel."""
 
     def fn(x, w, targets, fuse=False):
-        if tiles:
-            with _env(GEMM_LSE_ENV_VAR, "0"):
-                return fn_(x, w, targets, fuse)
-        return fn_(x, w, targets, fuse)
-
-    def fn_(x, w, targets, fuse=False):
-        out = chunked_logprobs(
-            x,
-            w,
-            targets,
-            mode=mode,
-            temperature=TEMPERATURE,
-            entropy=entropy,
-            fuse_wgrad=fuse,
-            chunk_rows=rows,
-            chunk_vocab=vocab or None,
-        )
+        with lm_head.env_set(GEMM_LSE_ENV_VAR, "0") if tiles else contextlib.nullcontext():
+            out = chunked_logprobs(
+                x,
+                w,
+                targets,
+                mode=mode,
+                temperature=TEMPERATURE,
+                entropy=entropy,
+                fuse_wgrad=fuse,
+                chunk_rows=rows,
+                chunk_vocab=vocab or None,
+            )
         return out[0] if entropy else out
 
     return fn

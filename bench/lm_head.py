@@ -109,16 +109,21 @@ class Model(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def env_way(value: str):
-    old = os.environ.get(vllm_lm_head.ENV)
-    os.environ[vllm_lm_head.ENV] = value
+def env_set(name: str, value: str):
+    """The environment variable ``name`` set to ``value`` inside, as it was after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(vllm_lm_head.ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[vllm_lm_head.ENV] = old
+            os.environ[name] = old
+
+
+def env_way(value: str):
+    return env_set(vllm_lm_head.ENV, value)
 
 
 def infer(way: str, model: Model, h: torch.Tensor) -> torch.Tensor:

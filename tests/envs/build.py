@@ -278,12 +278,13 @@ def install_lock(name: str, pip: list[str], lock: Path) -> None:
     uv installs it (parallel downloads; each wheel unpacked once into a cache under
     ``$FP32PATCH_TEST_CACHE/uv`` and hardlinked from there, so environments at one torch
     hold it once; the bytecode compiled in the environment, as pip does); pip installs the
-    distributions that a recipe's step needed a pip flag for (megatron-core declares a newer Python than it needs:
-    uv has no flag that overlooks it)."""
+    distributions that a recipe's step needed a pip flag for (megatron-core declares a newer
+    Python than it needs: uv has no flag that overlooks it)."""
     flagged = _flagged_names(name)
-    lines = _lock_lines(lock)
-    by_pip = [line for line in lines if _canonical(_REQ_NAME.match(line)[0]) in flagged]
-    by_uv = [line for line in lines if line not in by_pip]
+    by_pip: list[str] = []
+    by_uv: list[str] = []
+    for line in _lock_lines(lock):
+        (by_pip if _canonical(_REQ_NAME.match(line)[0]) in flagged else by_uv).append(line)
     if by_uv:
         env = {**os.environ, "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(cache_root() / "uv"))}
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:

@@ -68,9 +68,10 @@ def mark(model: Any, mode: str, *, role: str) -> Any:
 
 
 # The backward's tile for TRL (tokens x vocabulary entries), measured on an H200 against TRL
-# 1.16's own bf16 tiles (bench/RESULTS.md, 2026-12-03): forward + backward 1.04x / 1.00x of
-# TRL's time at 16k / 64k tokens with a peak under TRL's (3.91 vs 4.11, 4.66 vs 5.23 GiB);
-# chunked_logprobs' default (8192 x 16384, kept under verl's smaller peak) took 1.05x / 1.02x.
+# 1.16's own bf16 tiles (bench/RESULTS.md, 2026-12-03 16:40 UTC): forward + backward 1.024x /
+# 1.037x of TRL's time at 16k / 64k tokens with a peak under TRL's (3.91 vs 4.11, 4.66 vs 5.23
+# GiB); chunked_logprobs' default (8192 x 16384, kept under verl's smaller peak) took 1.049x /
+# 1.050x, at the goal's edge (1.05x).
 TILE = (8192, 32768)
 
 
