@@ -40,9 +40,19 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     and ``env_name`` the name it is set by (``FP32PATCH_VLLM_LM_HEAD`` or ``NRL_VLLM_FP32_LM_HEAD``;
     None where neither is set); ``patched`` says whether the model's files (``files``: its classes' and its
     logits processor's; ``file``: that of the class that owns the head) carry fp32patch's
-    edits. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
+    edits; ``patch_files`` are the files fp32patch's vLLM patches edit for this model that carry
+    no edit (vLLM's ``layers/logits_processor.py``; NemotronH's own file), which a refusal names. An error inside ``compute_logits`` is reported (``dtype`` None), not raised.
     Refuses to run inside CUDA-graph capture; leaves the model as its first real call would.
+    An in-process engine that holds its own switch (``vllm_engine_switch.hold``) is measured,
+    and its switch reported, with those values.
     """
+    from fp32patch.runtime.heads import vllm_engine_switch
+
+    with vllm_engine_switch.applied(vllm_engine_switch.held(model)):
+        return _probe(model)
+
+
+def _probe(model: Any) -> dict[str, Any]:
     import torch
 
     from fp32patch.runtime.heads import vllm as vllm_lm_head
@@ -70,6 +80,7 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
         "model": type(owner).__name__,
         "file": _file_of(owner),
         "files": files,
+        "patch_files": _patch_files(owner),
     }
     row = _probe_row(owner, head, device)
     try:
@@ -77,7 +88,9 @@ def probe_vllm_model(model: Any) -> dict[str, Any]:
     except Exception as exc:  # reported with this worker's name by check_probe_reports
         report["reason"] = f"compute_logits raised {type(exc).__name__}: {exc}"
         return report
-    report["way"], report["reason"] = _way(model, env_name, env, report["dtype"], patched, report["file"])
+    report["way"], report["reason"] = _way(
+        model, env_name, env, report["dtype"], patched, ", ".join(report["patch_files"]) or report["file"]
+    )
     return report
 
 
@@ -95,6 +108,31 @@ def _source_files(model: Any, owner: Any) -> list[str]:
                 path = None
             if path and path not in files:
                 files.append(path)
+    return files
+
+
+# Model classes with a patch of their own besides the logits processor's (nemotron-h-fp32-lm-head).
+_OWN_PATCH = ("NemotronHForCausalLM",)
+
+
+def _patch_files(owner: Any) -> list[str]:
+    """The files fp32patch's vLLM patches edit for this model and that carry no edit: vLLM's
+    ``LogitsProcessor`` (every model's logits pass it: ``vllm-fp32-logits``), and the model's own
+    file where a patch of its own targets it; the files a refusal names."""
+    classes = []
+    processor = getattr(owner, "logits_processor", None)
+    if processor is not None:
+        mro = type(processor).__mro__
+        classes.append(next((c for c in mro if c.__name__ == "LogitsProcessor"), type(processor)))
+    classes += [c for c in type(owner).__mro__ if c.__name__ in _OWN_PATCH][:1]
+    files = []
+    for cls in classes:
+        try:
+            path = inspect.getsourcefile(cls)
+        except TypeError:
+            path = None
+        if path and path not in files and not _has_marker(path):
+            files.append(path)
     return files
 
 

@@ -67,7 +67,7 @@ def disagreement(
             state = "unset" if env is None or not env.strip() else f"{env!r}"
             return said + f"{name} is {state} in that process{hint}"
         if not report.get("patched") and way != "native":
-            file = report.get("file")
+            file = ", ".join(report.get("patch_files") or ()) or report.get("file")
             return (
                 said
                 + "the model file is not patched (run fp32patch apply in that venv)"

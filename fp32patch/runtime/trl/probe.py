@@ -29,11 +29,16 @@ WHERE_SET = f" (trl vllm-serve --{KEY} sets it for a server; the trainer sets it
 
 
 def probe_colocated(llm: Any, model: Any, *, where: str = "colocated vLLM") -> list[Any]:
-    """Probe the vLLM model in this process (the one TRL refits) against ``model``'s mark."""
+    """Probe the vLLM model in this process (the one TRL refits) against ``model``'s mark; then
+    the switch set for it stays the engine's own, and the process's environment is put back."""
     from fp32patch.runtime.heads.vllm_probe import probe_vllm_model
+    from fp32patch.runtime.trl.wiring import engine_built
 
-    engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    return check_reports([probe_vllm_model(engine_model)], marked_mode(model), where=where)
+    try:
+        engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        return check_reports([probe_vllm_model(engine_model)], marked_mode(model), where=where)
+    finally:
+        engine_built(llm, model)  # the switch set for this engine is its own; the process's is put back
 
 
 def probe_server(client: Any, model: Any, *, where: str = "vLLM server", post: Any = None) -> list[Any]:

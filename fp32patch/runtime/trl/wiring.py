@@ -11,15 +11,17 @@ and environment for a server with fp32 heads and the probe's method on every wor
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+import weakref
 from collections.abc import MutableMapping
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.kit import rollout
 from fp32patch.runtime.kit.probe import PROBE_EXTENSION
-from fp32patch.runtime.modes import VLLM_SWITCH
+from fp32patch.runtime.modes import VLLM_SWITCH, VLLM_SWITCHES
 from fp32patch.runtime.trl.config import KEY, STACK, TrlSettings, check_config, requested_mode
 from fp32patch.runtime.trl.fused import MARK, mark, marked_mode
 
@@ -31,6 +33,7 @@ def check_trainer(trainer: Any, path: str) -> TrlSettings:
     """The guard for ``trainer`` (any TRL trainer, its ``args`` and ``model`` set), whose release
     computes log-probs along ``path`` ("fused" or "logits")."""
     model = getattr(trainer, "model", None)
+    _settle_unbuilt_engines()
     return check_config(
         trainer.args,
         trainer=type(trainer),
@@ -72,11 +75,49 @@ def mark_rollout(model: Any, mode: str) -> None:
         setattr(model, MARK, mode)
 
 
+# What each colocated engine's switch was before ``set_vllm_env`` set it, by the trainer's model
+# (weakly: gone with the model): ``engine_built`` hands the value to the engine and puts this back.
+_SET_FOR: weakref.WeakKeyDictionary[Any, dict[str, str | None]] = weakref.WeakKeyDictionary()
+
+
 def set_vllm_env(model: Any, *, where: str, environ: MutableMapping[str, str] | None = None) -> str | None:
     """vLLM's switch in this process (the trainer's, whose colocated vLLM is about to be built)
     from the mark the trainer's wiring left on ``model``; refuses an on switch without the mark
-    (the trainer's head would stay bf16). See ``kit.rollout.set_vllm_env``."""
-    return rollout.set_vllm_env(marked_mode(model), key=KEY, where=where, logger=STACK.logger, environ=environ)
+    (the trainer's head would stay bf16). See ``kit.rollout.set_vllm_env``. What it sets is for
+    that engine only: ``engine_built`` hands it to the engine and puts the process's back."""
+    target = os.environ if environ is None else environ
+    before = {name: target.get(name) for name in VLLM_SWITCHES}
+    value = rollout.set_vllm_env(marked_mode(model), key=KEY, where=where, logger=STACK.logger, environ=environ)
+    if environ is None and any(target.get(name) != was for name, was in before.items()):
+        _SET_FOR[model] = before
+    return value
+
+
+def _settle_unbuilt_engines() -> None:
+    """Put back a switch set for a colocated engine whose build never reached ``engine_built``
+    (``LLM(...)`` raised): it belonged to no engine, and is not the next trainer's."""
+    from fp32patch.runtime.heads import vllm_engine_switch
+
+    for model in list(_SET_FOR):
+        vllm_engine_switch.put_back(os.environ, _SET_FOR.pop(model))
+
+
+def engine_built(llm: Any, model: Any) -> None:
+    """Once the colocated ``LLM(...)`` for ``model``'s trainer is built (or failed to be): the
+    switch ``set_vllm_env`` set becomes the engine's own (``heads.vllm_engine_switch.hold``: it
+    computes every later logits with it) and this process's environment is as it was, so the
+    next trainer built here gets what its own switch asks. A switch the user set is left alone."""
+    before = _SET_FOR.pop(model, None)
+    if before is None:
+        return
+    from fp32patch.runtime.heads import vllm_engine_switch
+
+    try:
+        if llm is not None:
+            engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+            vllm_engine_switch.hold(engine_model, {name: os.environ.get(name) for name in VLLM_SWITCHES})
+    finally:
+        vllm_engine_switch.put_back(os.environ, before)
 
 
 def serve_command(

@@ -10,6 +10,7 @@ rank each, with their own environment.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import socket
@@ -117,9 +118,13 @@ def test_an_unpatched_model_file_with_the_variable_set_is_refused(vllm_runtime, 
     assert (report["dtype"], report["way"], report["patched"]) == ("bfloat16", "stock", False)
     assert report["reason"].startswith("the model file is not patched (run fp32patch apply in that venv)")
     message = refusal([report], "fp32out")
+    # both files the vLLM patches edit for NemotronH, neither patched: vLLM's logits processor and the model's own
+    stock_processor = inspect.getsourcefile(stock_processor_class)
+    assert stock_processor.endswith("vllm/model_executor/layers/logits_processor.py")
+    assert report["patch_files"] == [stock_processor, stock.__file__]
     assert (
         f"computes bfloat16 logits while {KEY}='fp32out': the model file is not patched "
-        f"(run fp32patch apply in that venv): {stock.__file__}"
+        f"(run fp32patch apply in that venv): {stock_processor}, {stock.__file__}"
     ) in message
 
 
@@ -169,9 +174,26 @@ def test_a_model_family_no_installed_spec_covers(vllm_runtime, var):
         check_probe_reports([report], "fp32out")
     else:
         assert (report["dtype"], report["way"]) == ("bfloat16", "stock")
-        assert report["reason"].endswith("models/llama.py")
+        assert report["reason"].endswith("layers/logits_processor.py")
         message = refusal([report], True)
         assert f"computes bfloat16 logits while {KEY}='fp32': the model file is not patched" in message
+
+
+def test_an_unpatched_logits_processor_is_the_file_named(vllm_runtime, var, stock_processor_class):
+    """Llama with vLLM's stock logits processor: the patch for every model lives in
+    layers/logits_processor.py, so that is the file the refusal names, not models/llama.py."""
+    var("1")
+    model = _llama(vllm_runtime)
+    processor = copy.copy(model.logits_processor)
+    processor.__class__ = stock_processor_class
+    model.logits_processor = processor
+    report = probe_vllm_model(model)
+    assert (report["dtype"], report["way"], report["patched"]) == ("bfloat16", "stock", False)
+    stock_processor = inspect.getsourcefile(stock_processor_class)
+    assert report["patch_files"] == [stock_processor] and report["file"].endswith("models/llama.py")
+    message = refusal([report], True)
+    assert message.count("not patched") == 1 and "llama.py" not in message
+    assert f"the model file is not patched (run fp32patch apply in that venv): {stock_processor}" in message
 
 
 def test_a_head_the_runtime_leaves_stock_is_refused_with_the_runtime_reason(vllm_runtime, var):
