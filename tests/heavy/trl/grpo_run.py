@@ -73,6 +73,9 @@ class RunSettings:
     prompts_per_step: int = 1  # each with num_generations (4) completions
     completion_length: int = 8
     plugin_dir: str | None = None  # the plain-GEMM vLLM plugin (tests.heavy.vllm_engine.harness)
+    # fp32_lm_head of each further trainer built and trained in this process after the first
+    # (None: off), each with a colocated engine of its own; their results under "then"
+    then: list | None = None
 
 
 def reward_length(completions, **kwargs) -> list[float]:
@@ -100,9 +103,10 @@ class _Lines(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def _spy_kernels(seen: dict[str, list]) -> None:
+def _spy_kernels(current: dict[str, dict[str, list]]) -> None:
     """Record each call of the chunked kernel TRL's fused forward uses: TRL's own, or the one
-    fp32patch's gate hands it (without importing fp32patch: the gate does that, if it does)."""
+    fp32patch's gate hands it (without importing fp32patch: the gate does that, if it does),
+    into ``current["seen"]`` (the running trainer's record)."""
     import torch
     import trl.trainer.utils as utils
 
@@ -111,7 +115,7 @@ def _spy_kernels(seen: dict[str, list]) -> None:
     class CountingStock:
         @staticmethod
         def apply(hidden, weight, *rest):
-            seen["trl"].append([str(hidden.dtype), str(weight.dtype), torch.is_autocast_enabled("cpu")])
+            current["seen"]["trl"].append([str(hidden.dtype), str(weight.dtype), torch.is_autocast_enabled("cpu")])
             return stock.apply(hidden, weight, *rest)
 
     utils._ChunkedLogProbFunction = CountingStock
@@ -127,7 +131,7 @@ def _spy_kernels(seen: dict[str, list]) -> None:
 
         def apply(hidden, weight, *rest, **kwargs):
             result = original(hidden, weight, *rest, **kwargs)
-            seen["fp32patch"].append(
+            current["seen"]["fp32patch"].append(
                 [chosen.mode, str(weight.dtype), torch.is_autocast_enabled("cpu"), str(result[0].dtype)]
             )
             return result
@@ -158,12 +162,26 @@ def run(settings: RunSettings, lines: _Lines) -> dict[str, Any]:
     from tests.heavy.vllm_engine import harness
 
     harness.force_plain_gemm()
+    current: dict[str, dict[str, list]] = {"seen": {"trl": [], "fp32patch": []}}
+    _spy_kernels(current)
+    result = train_one(settings, lines, current["seen"])
+    if settings.then is not None:
+        result["then"] = []
+        for mode in settings.then:
+            later = dataclasses.replace(settings, fp32_lm_head=mode, then=None)
+            current["seen"] = {"trl": [], "fp32patch": []}
+            result["then"].append(train_one(later, lines, current["seen"]))
+    return result
 
+
+def train_one(settings: RunSettings, lines: _Lines, seen: dict[str, list]) -> dict[str, Any]:
+    """One trainer built and trained; what it did, recorded (``seen``: its chunked kernels' calls)."""
     import torch
     from datasets import Dataset
 
-    seen: dict[str, list] = {"trl": [], "fp32patch": []}
-    _spy_kernels(seen)
+    from tests.heavy.vllm_engine import harness
+
+    first_line = len(lines.lines)
     if settings.trainer == "grpo":
         from trl import GRPOConfig as Config
         from trl import GRPOTrainer as Trainer
@@ -233,7 +251,7 @@ def run(settings: RunSettings, lines: _Lines) -> dict[str, Any]:
         "kernels": seen,
         "vllm_logits_dtypes": sorted(set(vllm_dtypes)),
         "vllm_logits_calls": len(vllm_dtypes),
-        "fp32patch_lines": lines.lines,
+        "fp32patch_lines": lines.lines[first_line:],
         "fp32patch_imported": "fp32patch" in sys.modules,
         "trl_file": sys.modules["trl"].__file__,
         "vllm_switch": {k: os.environ.get(k) for k in ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD")},

@@ -6,6 +6,9 @@ with the trainer and importance-weighting by their difference.
 - Switch off: the patched tree gives what the stock tree gives, bit for bit (every metric TRL
   logs, every parameter after the two updates), with TRL's own chunked kernel and vLLM's bf16
   logits, and fp32patch is never imported.
+- Then, in the same process, a second trainer with the switch off: bf16 on both sides with TRL's
+  own kernel (vLLM 0.25's patched processor reads the switch on every call; the switch the first
+  trainer's engine was given stays that engine's, and the process's environment is put back).
 - Switch on (``fp32_lm_head="fp32out"``): vLLM's logits processor returns float32 logits at every
   step (the in-process probe said so at startup), the policy's and the reference model's
   log-probs are fp32patch's chunked ones computed from the bf16 copy of the fp32 master weights
@@ -34,7 +37,8 @@ def runs(tmp_path_factory, model_dir, plugin_dir) -> dict:
         "off": train(tmp / "off", plugin_dir, model=str(model_dir)),
     }
     done = {name: result(process) for name, process in started.items()}
-    done["on"] = result(train(tmp / "on", plugin_dir, model=str(model_dir), fp32_lm_head="fp32out"))
+    # then a second trainer in the same process with the switch off (each with its colocated engine)
+    done["on"] = result(train(tmp / "on", plugin_dir, model=str(model_dir), fp32_lm_head="fp32out", then=[None]))
     return done
 
 
@@ -57,7 +61,8 @@ def test_the_switch_off_is_stock_bit_for_bit(runs):
 def test_the_switch_on_gives_fp32_logits_on_both_sides(runs):
     on = runs["on"]
     assert on["vllm_logits_dtypes"] == ["torch.float32"] and on["vllm_logits_calls"] > 0
-    assert on["vllm_switch"] == {"FP32PATCH_VLLM_LM_HEAD": None, "NRL_VLLM_FP32_LM_HEAD": "1"}
+    # the switch was set for the engine and is the engine's; the process's is put back once it is built
+    assert on["vllm_switch"] == {"FP32PATCH_VLLM_LM_HEAD": None, "NRL_VLLM_FP32_LM_HEAD": None}
     kernels = on["kernels"]
     assert kernels["trl"] == [] and len(kernels["fp32patch"]) == len(runs["stock"]["kernels"]["trl"])
     # TRL hands over the fp32 master weight under bf16 autocast; fp32patch's log-probs are fp32
@@ -90,3 +95,15 @@ def test_the_switch_on_trains(runs):
             "sampling/importance_sampling_ratio/mean",
         ):
             assert entry[key] == entry[key] and abs(entry[key]) < float("inf"), (key, entry)
+
+
+def test_a_second_trainer_with_the_switch_off_gets_what_it_asked(runs):
+    """Before: the first trainer left NRL_VLLM_FP32_LM_HEAD=1 in the process, and this one was
+    refused for a variable its user never set."""
+    on, (off,) = runs["on"], runs["on"]["then"]
+    assert on["vllm_switch"] == {"FP32PATCH_VLLM_LM_HEAD": None, "NRL_VLLM_FP32_LM_HEAD": None}  # put back
+    assert off["vllm_logits_dtypes"] == ["torch.bfloat16"] and off["vllm_logits_calls"] > 0
+    assert off["kernels"]["fp32patch"] == [] and len(off["kernels"]["trl"]) > 0
+    assert off["finite"] and off["after"] != off["before"]
+    assert off["vllm_switch"] == {"FP32PATCH_VLLM_LM_HEAD": None, "NRL_VLLM_FP32_LM_HEAD": None}
+    assert off["fp32patch_lines"] == []
