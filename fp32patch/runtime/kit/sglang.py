@@ -124,10 +124,11 @@ def sglang_args(
                 f"fp32patch ({where}): {key} is {mode!r} but SGLang's {SGLANG_SWITCH} is {asked!r}: the two "
                 "disagree. Remove it from SGLang's arguments; the key turns it on"
             )
-        args[SGLANG_SWITCH] = True
+    final = {**args, SGLANG_SWITCH: True} if mode is not None else args
     notes = check_server_args(
-        args, on=mode is not None, where=where, key=key, model_config=model_config, environ=environ
+        final, on=mode is not None, where=where, key=key, model_config=model_config, environ=environ
     )
+    args.update(final)  # nothing changed where refused
     for note in notes:
         logger.warning("fp32patch (%s): %s", where, note)
     if mode is not None:
