@@ -53,11 +53,11 @@ def _fp32patch_wire_model(model, args, role):
     return model
 
 
-def _fp32patch_server_args(kwargs, args, server_args_cls):
-    """SGLang's server arguments with its own enable_fp32_lm_head from --fp32-lm-head."""
+def _fp32patch_server_args(kwargs, args, server_args_cls, overrides=None):
+    """SGLang's server arguments with its own enable_fp32_lm_head from --fp32-lm-head (overrides: the server group's own, from --sglang-config)."""
     if _fp32patch_asked(getattr(args, "fp32_lm_head", None)) or kwargs.get("enable_fp32_lm_head"):
         where = "SGLang rollout server"
-        return _fp32patch_runtime(where).server_args(kwargs, args, server_args_cls, where=where)
+        return _fp32patch_runtime(where).server_args(kwargs, args, server_args_cls, where=where, overrides=overrides)
     return kwargs
 
 

@@ -10,6 +10,7 @@ that same model, and a critic keeps its value head. ``server_args``: SGLang's ow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
@@ -39,11 +40,22 @@ def wire_model(model: Any, args: Any, *, role: str) -> Any:
         ) from None
 
 
-def server_args(kwargs: dict[str, Any], args: Any, server_args_cls: Any, *, where: str) -> dict[str, Any]:
+def server_args(
+    kwargs: dict[str, Any], args: Any, server_args_cls: Any, *, where: str, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """SGLang's server arguments (``ServerArgs(**kwargs)``, changed in place) with its own fp32
     LM head on where the flag asks; refuses an SGLang without it, a server whose arguments turn
-    it off (a ``--sglang-config`` group's override) or on alone, and what makes it do nothing."""
+    it off (a ``--sglang-config`` group's ``overrides``) or on alone, and what makes it do nothing.
+
+    slime copies every ``--sglang-*`` option's value into ``kwargs``, so ``enable_fp32_lm_head`` is
+    there False (the store_true flag's default) whenever the command line leaves it out: only a
+    group's ``overrides`` can say False on purpose, and only those are held against the flag."""
     mode = _mode(args, where)
+    chosen = {str(name).replace("-", "_") for name in (overrides or {})}
+    if kwargs.get(sglang.SGLANG_SWITCH) is False and sglang.SGLANG_SWITCH not in chosen:
+        del kwargs[sglang.SGLANG_SWITCH]  # the command line's default: not a choice
+        if mode is None:
+            kwargs[sglang.SGLANG_SWITCH] = False
     return sglang.sglang_args(kwargs, mode, server_args_cls, key=FLAG, where=where, logger=STACK.logger)
 
 
