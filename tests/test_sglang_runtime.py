@@ -278,6 +278,9 @@ def test_the_in_process_engine_probe(release):
 def test_the_grade_needs_evidence():
     assert kit.logprob_grade([[[-1.0, 1], [-1.0, 2]] * 10])[0] is None  # a constant head
     assert kit.logprob_grade([None, []])[0] is None
+    # a dummy-initialized model: top log-probs within a few fp32 ulps of each other, no grid could show
+    tiny = [[[-6.9077 - 1e-6 * k, k] for k in range(20)]]
+    assert kit.logprob_grade(tiny)[0] is None
 
 
 # ---------------------------------------------------------------- the guard

@@ -161,6 +161,25 @@ def check_server_args(
 
     Returns notes for what only the probe can settle (a quantization method or a GGUF model: a
     quantized LM head skips the flag; LoRA adapters: their own target modules may hold the head)."""
+    problems, notes = sglang_hazards(args, on=on, key=key, model_config=model_config, environ=environ, where=where)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise Fp32LmHeadConfigError(f"fp32patch ({where}): SGLang's arguments do not follow {key}:\n{lines}")
+    return notes
+
+
+def sglang_hazards(
+    args: Any,
+    *,
+    on: bool,
+    key: str,
+    model_config: Any = None,
+    environ: Mapping[str, str] | None = None,
+    where: str = "SGLang",
+) -> tuple[list[str], list[str]]:
+    """``check_server_args``'s findings without raising, for a stack's own guard to word: the
+    problems (each a sentence naming the setting and what to do) and the notes. Raises only for
+    a ``json_model_override_args`` that is not JSON."""
     environ = os.environ if environ is None else environ
     problems: list[str] = []
     notes: list[str] = []
@@ -220,10 +239,7 @@ def check_server_args(
                 f"{what} gives SGLang an fp32 LM head without {SGLANG_SWITCH}, but {key} is off: the trainer's "
                 f"logits would stay bf16. Remove it, or turn {key} on"
             )
-    if problems:
-        lines = "\n".join(f"  {p}" for p in problems)
-        raise Fp32LmHeadConfigError(f"fp32patch ({where}): SGLang's arguments do not follow {key}:\n{lines}")
-    return notes
+    return problems, notes
 
 
 def _json_overrides(value: Any, where: str) -> dict[str, Any]:
@@ -334,6 +350,8 @@ def _grid(values: list[float]) -> float | None:
         return None
     scale = max(1.0, max(abs(v) for v in values))
     tol = 4 * 2.0 ** (math.floor(math.log2(scale)) - 23) + 2.0**-21
+    if max(abs(d) for d in diffs) < 2**12 * tol:
+        return None  # logits too close together (a dummy-initialized model): no grid could show
     for k in range(0, 40):
         q = 2.0**-k
         if q < 16 * tol:
@@ -522,11 +540,12 @@ async def probe_tokenizer_manager(
     where: str,
     key: str,
     logger: logging.Logger,
-    name: str = "in-process server",
+    name: str | None = None,
 ) -> Mapping[str, Any]:
     """The startup probe of an SGLang server whose ``TokenizerManager`` lives in this process (verl's
     ``SGLangHttpServer``): its ``server_args``, one ``GenerateReqInput(**probe_request())`` through
-    ``generate_request``, then ``hold_server_reports``. Returns its report."""
+    ``generate_request``, then ``hold_server_reports`` (``name`` names it; default: its host:port).
+    Returns its report."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     request = GenerateReqInput(**probe_request())
@@ -538,7 +557,10 @@ async def probe_tokenizer_manager(
         if inspect.isawaitable(result):
             await result
     version = _sglang_version_text()
-    report = server_report(tokenizer_manager.server_args, output, server=name, version=version)
+    args = tokenizer_manager.server_args
+    if name is None:
+        name = f"{_read(args, 'host')}:{_read(args, 'port')}"
+    report = server_report(args, output, server=name, version=version)
     hold_server_reports([report], mode, where=where, key=key, logger=logger)
     return report
 
