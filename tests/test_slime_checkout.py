@@ -197,7 +197,9 @@ def _args(monkeypatch, *argv: str) -> argparse.Namespace:
     for key, value in [*vars(arguments._pre_parse_mode()).items(), *vars(arguments.sglang_parse_args()).items()]:
         setattr(args, key, value)
     args.seed, args.fp16 = 1234, False  # Megatron's options
+    # what slime_validate_args derives (the rest of it reads Megatron's options)
     args.rollout_external = args.rollout_external_engine_addrs is not None
+    args.use_critic = args.advantage_estimator == "ppo"
     return args
 
 
