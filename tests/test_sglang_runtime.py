@@ -217,6 +217,18 @@ def test_the_probe_passes_fp32_servers_under_the_key_and_stock_ones_without(rele
     assert (report["dtype"], report["measured"]) == ("bfloat16", "bfloat16")
 
 
+def test_the_key_off_and_unread_fp32_logits_are_said_not_refused(release, caplog):
+    """A model whose own config turns an fp32 head on reads as stock; its log-probs lie on no bf16
+    grid, as a soft-capped head's do: the probe cannot tell the two apart, so it warns."""
+    version, _, patched, _ = release
+    h, head = _operands(seed=7)
+    fp32 = _server_output(_logits(patched, head, h, fp32=True))
+    with caplog.at_level(logging.WARNING, logger="test.sglang"):
+        [report] = _probe({"http://a:1": ({"enable_fp32_lm_head": False}, fp32)}, None)
+    assert (report["dtype"], report["measured"]) == ("bfloat16", "float32")
+    assert "SGLang server http://a:1 reads as stock but" in caplog.text and f"turn {KEY} on" in caplog.text
+
+
 def test_the_probe_refuses_each_one_sided_server_naming_it(release):
     version, _, patched, _ = release
     h, head = _operands(seed=5)

@@ -462,6 +462,16 @@ def hold_server_reports(
                 f"({'SGLang' + chr(39) + 's ' + SGLANG_SWITCH + ' from ' + key if expect else 'unset what turns fp32 on'})."
             ),
         )
+    for report in reports:
+        if not expect and report.get("measured") == "float32":
+            logger.warning(
+                "fp32patch (%s): SGLang server %s reads as stock but %s: fp32 logits from the model's own "
+                "config, or a soft-capped or scaled head; if the model turns an fp32 head on itself, turn %s on",
+                where,
+                report.get("server"),
+                report.get("evidence"),
+                key,
+            )
     logger.info(
         "fp32patch (%s): %d SGLang server(s) compute %s logits, as %s=%r asks (%s)",
         where,
