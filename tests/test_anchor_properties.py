@@ -1439,6 +1439,67 @@ _fused_correct = _anchored_correct(
 )
 
 
+# ---------------------------------------------------------------- sglang-fp32-lm-head on SGLang's logits processor
+
+SGL_PROCESSOR = "sglang/srt/layers/logits_processor.py"
+SGL_VERSION = "0.5.15.post1"  # slime's pin
+SGL_GEMM = "torch.matmul(hidden_states.to(torch.float32), lm_head.weight.to(torch.float32).T)"
+SGL_OURS = "_fp32patch_sglang_fp32_logits(hidden_states, lm_head.weight)"
+SGL_GATE = "_fp32patch_sglang_fp32_logits"
+
+
+def _sgl_head(tree: ast.Module) -> ast.AST:
+    return _child(_lp_class(tree), "_compute_lm_head", FUNCS)
+
+
+def _sgl_branch(tree: ast.Module) -> ast.stmt:
+    """The flag's GEMM statement (``logits = ...``) in ``_compute_lm_head``."""
+    return next(n for n in ast.walk(_sgl_head(tree)) if isinstance(n, ast.Assign) and ast.unparse(n.value) == SGL_GEMM)
+
+
+class _UnpatchSglang(ast.NodeTransformer):
+    def visit_Module(self, node: ast.Module) -> ast.Module:
+        node.body = [s for s in node.body if not (isinstance(s, FUNCS) and s.name == SGL_GATE)]
+        return self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        return ast.parse(SGL_GEMM, mode="eval").body if ast.unparse(node) == SGL_OURS else self.generic_visit(node)
+
+
+def _sglang_correct(before: str, after: str, args: str) -> None:
+    assert ast.dump(_UnpatchSglang().visit(ast.parse(after))) == ast.dump(ast.parse(before)), "more than the GEMM"
+    head = ast.unparse(_sgl_head(ast.parse(after)))
+    assert head.count(SGL_OURS) == 1 and SGL_GEMM not in head
+
+
+def _sgl_gemm_changed(text: str, seed: int) -> str:
+    """The flag's branch computes another expression (a release that changed it): no anchor."""
+    return re.sub(r"lm_head\.weight\.to\(torch\.float32\)\.T", "lm_head.weight.float().T", text, count=1)
+
+
+def _sglang_mutations(spec: Spec) -> list[Mutation]:
+    funcs = [_sgl_head]
+    decoy = f"    def _compute_lm_head(self, hidden_states, lm_head, embedding_bias=None):\n        return {SGL_GEMM}\n"
+    return [
+        Mutation("reformat-signature", reformat_signature(funcs)),
+        Mutation("comment-line", comment_line(_lp_class)),
+        Mutation("end-of-line-comment", end_of_line_comment(_sgl_head, f"# fp32patch: {spec.id} [fp32out-head]")),
+        Mutation("blank-lines", blank_lines(_sgl_head)),
+        Mutation("decorator", decorator(funcs)),
+        Mutation("docstring", docstring(funcs, f"# fp32patch: {spec.id} [fp32out-head]")),
+        Mutation("decoy-class", append(f"class LogitsProcessorForDraft(object):\n{decoy}")),
+        Mutation("module-namesakes", append(f"def _compute_lm_head(hidden_states, lm_head):\n    return {SGL_GEMM}\n")),
+        Mutation("marker-strings", marker_strings(spec)),
+        Mutation("grow-imports", _grow_imports_before(_lp_class)),
+        # breaking: each must be refused
+        Mutation("duplicate-class", append(f"if TYPE_CHECKING:\n\n    class {LP_CLASS}:\n    {decoy}"), breaking=True),
+        Mutation("gate-name-clash", append(f"{SGL_GATE} = None\n"), breaking=True),
+        Mutation("head-gemm-twice", insert_at(_sgl_branch, _block(f"logits = {SGL_GEMM}")), breaking=True),
+        Mutation("head-gemm-changed", _sgl_gemm_changed, breaking=True),
+        Mutation("head-gemm-moved-into-nested-def", moved_into_nested(_sgl_branch, "_later"), breaking=True),
+    ]
+
+
 # ---------------------------------------------------------------- the property
 
 
@@ -1567,6 +1628,17 @@ CASES = [
             ("vllm-generation", TRL_GENERATION, _generation_mutations, _generation_correct, 5),
             ("fused-lm-head", TRL_UTILS, _fused_mutations, _fused_correct, 5),
         )
+    ),
+    Case(
+        "sglang-fp32-lm-head",
+        f"sglang-{SGL_VERSION}",
+        lambda: (wheel_members("sglang", SGL_VERSION, [SGL_PROCESSOR]) / SGL_PROCESSOR).read_text(),
+        SGL_VERSION,
+        SGL_PROCESSOR,
+        _sglang_mutations,
+        _sglang_correct,
+        "",
+        12,
     ),
 ]
 

@@ -104,6 +104,15 @@ EDITS = [
         "args = _fp32patch_sglang_args(args, self.model_config, ServerArgs)",
     ),
     (
+        ALL,
+        "sglang",
+        "SGLangHttpServer",
+        "launch_server",
+        "self.tokenizer_manager.server_status = ServerStatus.Up",
+        "after",
+        "await _fp32patch_probe_sglang(self.tokenizer_manager, self.model_config, 'SGLang rollout server')",
+    ),
+    (
         SERVER,
         "server",
         "vLLMHttpServer",
@@ -391,6 +400,7 @@ def _run_gate_off(source: bytes) -> list[str]:
             asyncio.run(ns["_fp32patch_probe_server"](engine, model, "vLLM rollout server"))
             assert ns["_fp32patch_sglang_args"](args, model, object) is args and args == {"tp_size": 1}
             assert ns["_fp32patch_probe_model"](module, model, "vLLM rollout worker") is None
+            assert asyncio.run(ns["_fp32patch_probe_sglang"](engine, model, "SGLang rollout server")) is None
     # the fused kernels: no head is wired, so verl's own kernel gets the call, untouched
     stock_calls = []
     wrapped = ns["_fp32patch_linear_cross_entropy"](lambda *args: stock_calls.append(args) or "stock")

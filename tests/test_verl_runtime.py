@@ -797,3 +797,87 @@ def test_fused_logprobs_runs_only_for_a_wired_heads_weight_and_refuses_what_it_d
     assert (entropy.double() + (logp.exp() * logp).sum(-1)).abs().max() < 1e-5
     with pytest.raises(NotImplementedError, match="reduction='sum'"):
         fused_logprobs(hidden, model.lm_head.weight, ids, 0.7, backend="triton", reduction="sum")
+
+
+# ---------------------------------------------------------------- SGLang's hazards and probe (kit.sglang)
+
+
+@pytest.mark.parametrize(
+    ("config", "fragments"),
+    [
+        (
+            verl("fp32out", rollout="sglang", sglang={"rl_on_policy_target": "fsdp"}),
+            ["engine_kwargs.sglang does not follow", "rl_on_policy_target='fsdp'", "Unset rl_on_policy_target"],
+        ),
+        (
+            verl("fp32out", rollout="sglang", sglang={"lora_target_modules": ["lm_head"]}),
+            ["lora_target_modules holds lm_head"],
+        ),
+        (
+            verl(False, rollout="sglang", sglang={"json_model_override_args": {"enable_lm_head_fp32": True}}),
+            ["json_model_override_args enable_lm_head_fp32=True", f"turn {KEY} on"],
+        ),
+    ],
+)
+def test_sglang_hazards_in_engine_kwargs_are_refused_by_the_guard(config, fragments):
+    with pytest.raises(Fp32LmHeadConfigError) as caught:
+        check_config(config, where="validate_config", environ={})
+    for fragment in fragments:
+        assert fragment in str(caught.value), (fragment, str(caught.value))
+
+
+def test_sglang_quantization_is_a_note_for_the_probe():
+    settings = validate_fp32_lm_head_config(
+        verl("fp32out", rollout="sglang", sglang={"quantization": "fp8"}), environ={}
+    )
+    assert settings.sglang is True and any("quantization='fp8'" in n for n in settings.notes)
+
+
+class _TokenizerManager:
+    """verl's SGLangHttpServer's in-process TokenizerManager, as the probe uses it."""
+
+    def __init__(self, server_args, output):
+        self.server_args, self.output, self.requests = server_args, output, []
+
+    def generate_request(self, request, _):
+        self.requests.append(request)
+
+        async def answer():
+            yield self.output
+
+        return answer()
+
+
+def _answer(logits: torch.Tensor) -> dict:
+    top = torch.log_softmax(logits.float(), dim=-1).topk(20, dim=-1)
+    rows = [
+        [[v, i, None] for v, i in zip(vals, ids, strict=True)]
+        for vals, ids in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+    ]
+    return {"meta_info": {"input_top_logprobs": [None, *rows[1:]], "output_top_logprobs": rows[:1]}}
+
+
+def test_the_sglang_rollout_server_is_probed_in_process(monkeypatch):
+    from types import ModuleType, SimpleNamespace
+
+    from fp32patch.runtime.verl import probe_sglang
+
+    io_struct = ModuleType("sglang.srt.managers.io_struct")
+    io_struct.GenerateReqInput = lambda **kw: SimpleNamespace(**kw)  # SGLang's request, by its fields
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(12, 128, generator=gen).bfloat16(), (torch.randn(500, 128, generator=gen) * 0.3).bfloat16()
+    fp32, bf16 = h.float() @ w.float().T, (h @ w.T).float()
+    args = SimpleNamespace(host="10.0.0.7", port=30000, enable_fp32_lm_head=True, rl_on_policy_target=None)
+    model = {"fp32_lm_head": "fp32out"}
+
+    manager = _TokenizerManager(args, _answer(fp32))
+    report = asyncio.run(probe_sglang(manager, model, where="SGLang rollout server"))
+    assert (report["dtype"], report["measured"], report["server"]) == ("float32", "float32", "10.0.0.7:30000")
+    assert manager.requests[0].return_logprob is True and manager.requests[0].logprob_start_len == 0
+
+    for server_args, logits in ((args, bf16), (SimpleNamespace(**{**vars(args), "enable_fp32_lm_head": False}), fp32)):
+        with pytest.raises(Fp32LmHeadMismatchError, match=r"SGLang server 10\.0\.0\.7:30000"):
+            asyncio.run(probe_sglang(_TokenizerManager(server_args, _answer(logits)), model, where="s"))

@@ -5,7 +5,8 @@ Three layers, each a folder, each importing only the ones below it:
 - ``kernels/``: the GEMMs and kernels (``fp32out``, ``lm_head_gemm`` and its backward, the
   Triton conversions, the chunked fused log-probs);
 - ``heads/``: the engine heads (vLLM's, every model and every refit, and the probe's
-  measurement inside a vLLM worker; Megatron-Core's output layer; the PyTorch/HF head);
+  measurement inside a vLLM worker; SGLang's own fp32 head at fp32out cost; Megatron-Core's
+  output layer; the PyTorch/HF head);
 - the stacks: ``kit/`` (what every stack shares: the guard's skeleton, the rollout switches,
   the probe's verdicts, wiring with a role label, and the contract a stack follows), then one
   folder per stack (``nemo_rl/``, ``verl/``, ``trl/``) holding its config rules and thin adapters.

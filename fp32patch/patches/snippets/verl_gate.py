@@ -88,6 +88,12 @@ def _fp32patch_sglang_args(args, model_config, server_args_cls):
     return args
 
 
+async def _fp32patch_probe_sglang(tokenizer_manager, model_config, where):
+    """fp32patch's startup probe: this SGLang server computes the logits the key asks for."""
+    if _fp32patch_asked(model_config):
+        await _fp32patch_runtime(where).probe_sglang(tokenizer_manager, model_config, where=where)
+
+
 def _fp32patch_probe_model(model, model_config, where):
     """fp32patch's startup probe of a vLLM model loaded in this process."""
     if _fp32patch_asked(model_config):

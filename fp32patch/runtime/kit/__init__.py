@@ -11,6 +11,10 @@ The kit (pure Python, no torch at import):
 - ``kit.rollout``: the rollout's switches: vLLM's variable under both names (read from a config's
   ``env_vars`` or the environment, set in a rollout process), vLLM's own ``head_dtype`` (0.26+),
   SGLang's ``enable_fp32_lm_head``; the installed vLLM's release under any distribution name.
+- ``kit.sglang``: SGLang as a rollout engine: its flag (``sglang_args``, re-exported by
+  ``kit.rollout``), the guard's SGLang hazards (``check_server_args``, ``sglang_hazards``), and the
+  probe of a server, an in-process ``Engine`` or tokenizer manager (its arguments read, the grade of
+  its log-probs measured), held to the key by ``hold_server_reports``.
 - ``kit.probe``: the startup probe's RPC name and verdicts: the workers' reports held to one
   expectation, one line per disagreeing worker, the refusal; for vLLM's own OpenAI server, the
   worker extension that answers the probe and the probe over HTTP (``/collective_rpc``).
@@ -31,10 +35,11 @@ are the examples to copy):
    where=...) = STACK.guard(rules, config, where=where)``.
 2. ``wiring.py``: thin adapters, one per place the stack builds a trainer model
    (``STACK.wire(model, mode, trainer=..., role=...)``) or starts a rollout
-   (``kit.rollout.set_vllm_env`` / ``head_dtype_overrides`` / ``sglang_args``).
+   (``kit.rollout.set_vllm_env`` / ``head_dtype_overrides`` / ``kit.sglang.sglang_args``).
 3. ``probe.py``: where the stack reaches its vLLM workers (``kit.probe.PROBE_RPC`` through its
    engine's ``collective_rpc``, or ``heads.vllm_probe.probe_vllm_model`` in process), then
-   ``disagreeing_reports`` -> ``disagreement`` -> ``refuse``.
+   ``disagreeing_reports`` -> ``disagreement`` -> ``refuse``; its SGLang servers through
+   ``kit.sglang.probe_servers`` / ``probe_engine`` / ``probe_tokenizer_manager``.
 4. ``__init__.py``: the names its patched files call, and nothing else; those names never change
    (an image patched by an older fp32patch imports them).
 5. Outside the runtime: a spec ``fp32patch/patches/<stack>-fp32-lm-head.toml`` whose edits call

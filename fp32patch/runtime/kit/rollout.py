@@ -1,11 +1,11 @@
 """The rollout's switches, as every stack reads and sets them: vLLM's environment variable (two
 names, ``modes.vllm_switch``), vLLM's own ``head_dtype`` (0.26 and later), SGLang's own
-``enable_fp32_lm_head``. Each function raises ``Fp32LmHeadConfigError`` with a message that names
+``enable_fp32_lm_head`` (``kit.sglang``, re-exported here: ``sglang_args``, ``SGLANG_SWITCH``). Each
+function raises ``Fp32LmHeadConfigError`` with a message that names
 the setting and what to do; ``key`` is the stack's switch as its users write it. Pure Python."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit.sglang import SGLANG_SWITCH, sglang_args  # SGLang's switch lives in kit.sglang
 from fp32patch.runtime.modes import VLLM_ENV_VAR, VLLM_OFF_VALUES, VLLM_ON_VALUES, VLLM_VALUES_TEXT, vllm_switch
 
 
@@ -136,39 +137,12 @@ def installed_vllm_version() -> tuple[int, ...] | None:
     return None
 
 
-SGLANG_SWITCH = "enable_fp32_lm_head"  # SGLang 0.5.3 and later
-
-
-def sglang_args(
-    args: dict[str, Any], mode: str | None, server_args_cls: Any, *, key: str, where: str, logger: logging.Logger
-) -> dict[str, Any]:
-    """SGLang's server arguments with its own fp32 LM head on when the key asks for it; refuses an
-    SGLang without it, and a contradicting or one-sided ``enable_fp32_lm_head``. Returns ``args``
-    (changed in place)."""
-    asked = args.get(SGLANG_SWITCH)
-    if mode is None:
-        if asked:
-            raise Fp32LmHeadConfigError(
-                f"fp32patch ({where}): {SGLANG_SWITCH} is on in SGLang's arguments but {key} is off: the "
-                f"rollout would compute fp32 logits and the trainer bf16 ones. Set {key} instead"
-            )
-        return args
-    names = (
-        {f.name for f in dataclasses.fields(server_args_cls)}
-        if dataclasses.is_dataclass(server_args_cls)
-        else set(vars(server_args_cls))
-    )
-    if SGLANG_SWITCH not in names:
-        raise Fp32LmHeadConfigError(
-            f"fp32patch ({where}): {key} is {mode!r} but this SGLang's ServerArgs has no {SGLANG_SWITCH} "
-            f"(SGLang 0.5.3 and later have it): the rollout's logits would stay bf16. Upgrade SGLang, or set "
-            f"{key} to false"
-        )
-    if asked is not None and asked is not True:
-        raise Fp32LmHeadConfigError(
-            f"fp32patch ({where}): {key} is {mode!r} but SGLang's {SGLANG_SWITCH} is {asked!r}: the two "
-            "disagree. Remove it from engine_kwargs.sglang; the key turns it on"
-        )
-    args[SGLANG_SWITCH] = True
-    logger.info("fp32patch (%s): SGLang's %s on (%s=%r)", where, SGLANG_SWITCH, key, mode)
-    return args
+__all__ = [
+    "SGLANG_SWITCH",
+    "Switch",
+    "head_dtype_overrides",
+    "installed_vllm_version",
+    "read_vllm_switch",
+    "set_vllm_env",
+    "sglang_args",
+]

@@ -11,7 +11,8 @@ stack's (``fp32patch.runtime.heads``), as is the worker-side measurement (``head
   actor and ref, once wrapped; ``wire_megatron(modules, model_config, role=...)``: the Megatron
   engine's and legacy workers'.
 - ``set_vllm_env(model_config, where=...)``: in each vLLM rollout server before its engine starts.
-- ``sglang_args(args, model_config, ServerArgs, where=...)``: before SGLang's ``ServerArgs(**args)``.
+- ``sglang_args(args, model_config, ServerArgs, where=...)``: before SGLang's ``ServerArgs(**args)``;
+  ``probe_sglang(tokenizer_manager, model_config, where=...)`` once that server is up.
 - ``probe_vllm_model(model)`` in each vLLM worker (``PROBE_RPC``), and ``probe_server`` in the server;
   ``probe_model`` where vLLM runs in the trainer's process (0.6.1, 0.7.0).
 - ``fused_logprobs(hidden, weight, targets, temperature, backend=...)``: verl's fused kernels
@@ -29,7 +30,7 @@ from fp32patch.runtime.kit.probe import PROBE_RPC
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, VerlSettings, check_config, validate_fp32_lm_head_config
 from fp32patch.runtime.verl.fused import fused_logprobs
-from fp32patch.runtime.verl.probe import check_reports, probe_model, probe_server
+from fp32patch.runtime.verl.probe import check_reports, probe_model, probe_server, probe_sglang
 from fp32patch.runtime.verl.wiring import set_vllm_env, sglang_args, wire_hf, wire_megatron
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "fused_logprobs",
     "probe_model",
     "probe_server",
+    "probe_sglang",
     "probe_vllm_model",
     "set_vllm_env",
     "sglang_args",

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit import sglang as sglang_kit
 from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, plain, section, trainer_mode
 from fp32patch.runtime.kit.rollout import installed_vllm_version, read_vllm_switch
 from fp32patch.runtime.kit.stack import Stack
@@ -49,7 +50,8 @@ KEY = "actor_rollout_ref.model.fp32_lm_head"
 # workers, fsdp_turbo through the FSDP engine, the Megatron engine and legacy workers)
 WIRED_STRATEGIES: tuple[str, ...] = ("fsdp", "fsdp2", "fsdp_turbo", "megatron")
 ROLLOUTS: tuple[str, ...] = ("vllm", "sglang")
-SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
+SGLANG_SECTION = "actor_rollout_ref.rollout.engine_kwargs.sglang"
+SGLANG_KEY = f"{SGLANG_SECTION}.enable_fp32_lm_head"
 RUNTIME_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 RUNTIME_ENV = f"{RUNTIME_ENV_VARS}.{VLLM_ENV_VAR}"
 # verl's triton kernel (verl/utils/kernel/kernels.py, its default backward, read in 0.6.1-0.9.1),
@@ -122,6 +124,8 @@ def validate_fp32_lm_head_config(
                 f"bf16 ones ({ONE_SIDED_EVIDENCE}). Set {KEY} (e.g. fp32out), which turns both on, and "
                 "remove enable_fp32_lm_head"
             )
+        if rollout == "sglang":
+            _check_sglang_kwargs(sglang_kwargs, None)
         return VerlSettings(mode=None, rollout=rollout)
 
     for role in ("actor", "ref"):
@@ -152,6 +156,7 @@ def validate_fp32_lm_head_config(
                 f"{KEY} is {mode!r} but {SGLANG_KEY} is {sglang_asked!r}: the two disagree. Remove "
                 "enable_fp32_lm_head; the key turns it on in every SGLang server"
             )
+        notes.extend(_check_sglang_kwargs(sglang_kwargs, mode))
         sglang = True
     else:
         raise Fp32LmHeadConfigError(
@@ -160,6 +165,17 @@ def validate_fp32_lm_head_config(
             f"{' or '.join(ROLLOUTS)}, or set {KEY} to false"
         )
     return VerlSettings(mode=mode, rollout=rollout, vllm=vllm, sglang=sglang, fused=fused, notes=tuple(notes))
+
+
+def _check_sglang_kwargs(kwargs: dict[str, Any], mode: str | None) -> list[str]:
+    """The SGLang hazards (``kit.sglang.sglang_hazards``) of the arguments every SGLang server gets
+    from ``engine_kwargs.sglang``, with the key's flag as the key sets it; returns the notes. The
+    servers' own environment is checked again where each starts (``wiring.sglang_args``)."""
+    args = {**kwargs, sglang_kit.SGLANG_SWITCH: True} if mode is not None else kwargs
+    problems, notes = sglang_kit.sglang_hazards(args, on=mode is not None, key=KEY, environ={}, where=SGLANG_SECTION)
+    if problems:
+        raise Fp32LmHeadConfigError(f"{SGLANG_SECTION} does not follow {KEY}={mode!r}: " + "; ".join(problems))
+    return [f"{SGLANG_SECTION}: {note}" for note in notes]
 
 
 def model_mode(model: Any, key: str = KEY) -> str | None:

@@ -4,7 +4,9 @@ Each server asks every vLLM worker of its engine, once the model is loaded (afte
 ``monkey_patch_model``), for ``probe_vllm_model``'s report through the engine's
 ``collective_rpc`` under ``PROBE_RPC`` (a method the patch adds to verl's worker extension),
 and refuses to start when a worker's logits are not what ``actor_rollout_ref.model.fp32_lm_head``
-asks: the run fails at startup, not after a day of one-sided training.
+asks: the run fails at startup, not after a day of one-sided training. Each SGLang rollout server
+(``SGLangHttpServer``, whose tokenizer manager lives in its process) is probed the kit's way
+(``kit.sglang.probe_tokenizer_manager``): its arguments read, the grade of its log-probs measured.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from fp32patch.runtime.kit import sglang
 from fp32patch.runtime.kit.probe import PROBE_RPC, hold_reports
 from fp32patch.runtime.modes import VLLM_ENV_VAR
 from fp32patch.runtime.verl.config import KEY, STACK, model_mode
 
-__all__ = ["PROBE_RPC", "check_reports", "probe_model", "probe_server"]
+__all__ = ["PROBE_RPC", "check_reports", "probe_model", "probe_server", "probe_sglang"]
 
 logger = STACK.logger
 
@@ -44,3 +47,12 @@ def check_reports(reports: Any, model_config: Any, *, where: str) -> None:
     """Refuse (``Fp32LmHeadMismatchError``) when a worker's logits disagree with the key: on, every
     worker computes float32 logits; off, none does. Logs one line when all agree."""
     hold_reports(reports, model_mode(model_config), where=where, key=KEY, switch=VLLM_ENV_VAR, logger=logger)
+
+
+async def probe_sglang(tokenizer_manager: Any, model_config: Any, *, where: str) -> Any:
+    """Probe the SGLang server whose ``TokenizerManager`` lives in this process (verl's
+    ``SGLangHttpServer``, once up); refuse it (``Fp32LmHeadMismatchError``) where what it computes
+    disagrees with the key. Returns its report."""
+    return await sglang.probe_tokenizer_manager(
+        tokenizer_manager, model_mode(model_config), where=where, key=KEY, logger=logger
+    )

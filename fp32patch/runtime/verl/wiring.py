@@ -40,10 +40,14 @@ def set_vllm_env(model_config: Any, *, where: str, environ: MutableMapping[str, 
 
 def sglang_args(args: dict[str, Any], model_config: Any, server_args_cls: Any, *, where: str) -> dict[str, Any]:
     """SGLang's server arguments with its own fp32 LM head (``enable_fp32_lm_head``, SGLang
-    0.5.3+) on when the key asks for it; refuses an SGLang without it, and a contradicting or
+    0.5.3+) on when the key asks for it; refuses an SGLang without it, the hazards of
+    ``kit.sglang.check_server_args`` (the model's own switches read from verl's ``hf_config``), and a contradicting or
     one-sided ``enable_fp32_lm_head``. Returns ``args`` (changed in place)."""
     mode = _mode(model_config, where)
-    return rollout.sglang_args(args, mode, server_args_cls, key=KEY, where=where, logger=STACK.logger)
+    hf_config = getattr(model_config, "hf_config", None)  # verl's HFModelConfig: the model's own switches
+    return rollout.sglang_args(
+        args, mode, server_args_cls, key=KEY, where=where, logger=STACK.logger, model_config=hf_config
+    )
 
 
 def _lm_head_mode(model_config: Any, role: str) -> str | None:
