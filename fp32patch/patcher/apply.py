@@ -20,11 +20,13 @@ from fp32patch.patcher.plan import (
     Target,
     by_root,
     entries_after,
+    read,
     searched_order,
     select_specs,
     targets,
     write_error,
 )
+from fp32patch.patcher.record import row_of
 from fp32patch.patcher.report import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -37,7 +39,7 @@ from fp32patch.patcher.report import (
     fold_not_installed,
 )
 from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.status import classify
+from fp32patch.patcher.status import classify, missing
 from fp32patch.patcher.transaction import Transaction, Write
 from fp32patch.patcher.transform import Result, unified_diff
 
@@ -61,9 +63,12 @@ def apply(
     specs = select_specs(ids, spec_dir)
     ts = targets(specs, roots, envs)
     groups = by_root(ts)
-    outcomes = [t.not_installed() for t in ts if t.located is None]
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
+    manifests: dict = {}
+    outcomes = [missing(t, inv, manifests) for t in ts if t.located is None]
+    gone = any(o.status == Status.DRIFTED for o in outcomes)  # a recorded file deleted since: verify fails it
     order = searched_order(ts)
-    if not groups:
+    if not groups and not gone:
         return Report(
             "apply",
             fold_not_installed(outcomes, order),
@@ -74,7 +79,6 @@ def apply(
     # First every result, without writing: one refusal anywhere means nothing is written.
     plans = [RootPlan.build(root, group) for root, group in groups.items()]
     chains = [plan.chain([t.spec for t in plan.targets]) for plan in plans]
-    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
     # a file that already carries a patch is judged as verify judges it (drifted, unrecorded, ...)
     judged = {
         (plan.root, t.spec.id): verdict
@@ -83,7 +87,7 @@ def apply(
         if results[t.spec.id].status == Status.ALREADY_APPLIED
         and (verdict := classify(plan, t, inv)).status != Status.APPLIED
     }
-    refused = bool(judged) or any(r.status.refused for results, _ in chains for r in results.values())
+    refused = gone or bool(judged) or any(r.status.refused for results, _ in chains for r in results.values())
     if refused or dry_run:
         for plan, (results, _) in zip(plans, chains, strict=True):
             for t in plan.targets:
@@ -123,16 +127,22 @@ def _writes(plan: RootPlan, results: dict[str, Result], final: dict[str, bytes |
         if after is None or before is None or after == before:
             continue
         old = plan.manifest.on(path)
+        record = next((plan.record_rel(s) for s in specs.values() if path in s.target.paths), None)
         if old and sha256(before) == old[0].sha256_after:
             original, keep = old[0].sha256_before, None  # patched by us already: its original is kept
+            row = old[0].record_row
         else:
             original, keep, old = sha256(before), before, []
+            found = read(plan.root / record) if record else None
+            row = row_of(found, path) if found is not None else None  # given back as is by revert
         applied_here = [
             specs[i] for i, r in results.items() if r.status == Status.APPLIED and path in r.files and i in specs
         ]
         mine = {s.id for s in applied_here}
         entries = entries_after([e for e in old if e.patch not in mine], original, after)
         entries += [plan.entry(s, path, original, after, results[s.id].variant) for s in applied_here]
+        for e in entries:
+            e.record_row = row
         record = next((e.record for e in entries if e.record), None)
         writes.append(Write(path, before, after, entries, keep=keep, record=record))
     return writes

@@ -51,6 +51,7 @@ from fp32patch.patcher.report import (
 )
 from fp32patch.patcher.spec import load_specs
 from fp32patch.patcher.state import StateDir, sha256
+from fp32patch.patcher.status import gone_message
 from fp32patch.patcher.transaction import Transaction, TransactionError, Write
 
 
@@ -321,10 +322,17 @@ def _plan(
 
     verdicts: dict[str, tuple[Status, str, bool]] = {}
     originals: dict[str, bytes | None] = {}
+    gone = {p for p, data in files.items() if data is None}
     for path, data in files.items():
         on = manifest.on(path)
         lead = on[0]
         current = sha256(data) if data is not None else None
+        if path in gone:  # deleted since it was patched: nothing to restore, and nothing is claimed
+            originals[path] = None
+            for e in on:
+                if not force:
+                    verdicts[e.patch] = (Status.DRIFTED, gone_message(root, [path], e.patch, inv), False)
+            continue
         if current == lead.sha256_before:
             originals[path] = data
             continue
@@ -367,6 +375,9 @@ def _plan(
     writes: list[Write] = []
     displaced_for: dict[str, set[str]] = {}
     for path, data in files.items():
+        if path in gone:  # only its record goes
+            writes.append(Write(path, None, None, [], record=None))
+            continue
         after = final.get(path)
         if data is None or after is None:
             continue
@@ -374,9 +385,9 @@ def _plan(
         entries = entries_after([e for e in manifest.on(path) if e.patch in keep], lead.sha256_before, after)
         forced = sha256(data) not in (lead.sha256_after, lead.sha256_before)
         record = next((e.record for e in manifest.on(path) if e.record), None)
-        writes.append(
-            Write(path, data, after, entries if after != originals[path] else [], record=record, displace=forced)
-        )
+        back = after == originals[path]  # the original again: its RECORD row as it was found
+        row = lead.record_row if back else None
+        writes.append(Write(path, data, after, [] if back else entries, record=record, displace=forced, record_row=row))
         if forced:
             for e in manifest.on(path):
                 displaced_for.setdefault(e.patch, set()).add(path)
@@ -385,7 +396,11 @@ def _plan(
         status, message, forced = verdicts.get(i, (Status.REVERTED, "", False))
         if status == Status.REVERTED:
             mine = [e for e in manifest.entries if e.patch == i]
-            if all(sha256(files[e.path] or b"") == e.sha256_before for e in mine if e.path in files):
+            lost = [e.path for e in mine if e.path in gone]
+            if lost and all(e.path in gone for e in mine):
+                status = Status.NOT_APPLIED
+                message = f"{', '.join(str(root / p) for p in lost)} is gone (deleted after patching): nothing to restore; record cleared"
+            elif all(sha256(files[e.path] or b"") == e.sha256_before for e in mine if e.path in files):
                 status, message = Status.NOT_APPLIED, "already the original bytes; record cleared"
             elif keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}}:
                 others = sorted(keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}})
@@ -394,6 +409,8 @@ def _plan(
                 )
             else:
                 message = f"restored the original bytes (sha256 {entry.sha256_before[:12]})"
+            if lost and status == Status.REVERTED:
+                message += f"; {', '.join(str(root / p) for p in lost)} is gone (deleted after patching): record cleared"
         out = _outcome(root, env, by_id.get(i), entry, status, message)
         out.details["forced"] = forced
         outcomes.append(out)

@@ -29,7 +29,7 @@ from pathlib import Path
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_follow, stale_temps, step
 from fp32patch.patcher.bytecode import refresh_bytecode
-from fp32patch.patcher.record import record_hash, rewrite_record
+from fp32patch.patcher.record import put_row, record_hash, rewrite_record
 from fp32patch.patcher.state import StateDir, sha256
 
 __all__ = ["StateDir", "Transaction", "TransactionError", "Write", "describe_os_error", "record_hash", "sha256"]
@@ -47,6 +47,11 @@ def _read_only_fs(folder: Path) -> bool:
         return False
 
 
+def _row_found(entries: Iterable[mf.Entry], digest: str | None) -> str | None:
+    """The RECORD row found before patching, when ``digest`` is the original's (None: compute it)."""
+    return next((e.record_row for e in entries if e.sha256_before == digest and e.record_row is not None), None)
+
+
 # ---------------------------------------------------------------- the transaction
 
 
@@ -60,12 +65,13 @@ class Write:
     """
 
     relpath: str
-    before: bytes
-    after: bytes
+    before: bytes | None  # None (with ``after`` None): the file is gone and only its entries change
+    after: bytes | None
     entries: list[mf.Entry]
     keep: bytes | None = None  # the file's original bytes, to keep for revert (None: kept already)
     record: str | None = None  # dist-info RECORD (relative to root) to keep in step
     displace: bool = False  # keep the bytes being overwritten (forced revert)
+    record_row: str | None = None  # the RECORD row to give ``after`` as is (a revert: the row found); None: computed
 
 
 class Transaction:
@@ -110,6 +116,8 @@ class Transaction:
         folders |= {self.target(r).parent for r in relpaths}
         folders |= {(self.root / r).parent for r in records if r is not None}
         for folder in sorted(folders):
+            if not folder.exists():  # a file gone with its folder: nothing is written there
+                continue
             if not os.access(folder, os.W_OK | os.X_OK):
                 if _read_only_fs(folder):
                     raise TransactionError(errno.EROFS, f"{folder}: read-only file system")
@@ -125,8 +133,9 @@ class Transaction:
         except FileNotFoundError:
             return None
 
-    def _sync_record(self, record_rel: str | None, relpath: str, data: bytes) -> bytes | None:
-        """Set ``relpath``'s RECORD row to ``data``; returns the RECORD's previous bytes (None: untouched)."""
+    def _sync_record(self, record_rel: str | None, relpath: str, data: bytes, row: str | None = None) -> bytes | None:
+        """Set ``relpath``'s RECORD row to ``data``'s hash and size, or to ``row`` exactly when given (the row
+        found before patching, for bytes given back); returns the RECORD's previous bytes (None: untouched)."""
         record = self._record(record_rel)
         if record is None:
             return None
@@ -135,7 +144,7 @@ class Transaction:
         except FileNotFoundError:
             return None
         # RECORD rows are relative to the folder that holds the .dist-info: the root
-        new = rewrite_record(current, relpath, data)
+        new = put_row(current, relpath, row) if row is not None else rewrite_record(current, relpath, data)
         if new is None or new == current:
             return None
         atomic_write(record, new, like=record.stat())
@@ -214,9 +223,10 @@ class Transaction:
         path, data = self._current(intent.path)
         current = sha256(data) if data is not None else None
         if path is not None and data is not None and current in (intent.sha256_to, intent.sha256_from):
-            for entry in [*manifest.on(intent.path), *intent.previous]:
+            every = [*manifest.on(intent.path), *intent.previous]
+            for entry in every:
                 if entry.record:
-                    self._sync_record(entry.record, intent.path, data)
+                    self._sync_record(entry.record, intent.path, data, _row_found(every, current))
                     break
             refresh_bytecode(path)
         if current == intent.sha256_from and intent.sha256_from != intent.sha256_to:
@@ -235,7 +245,7 @@ class Transaction:
         path, data = self._current(entry.path)
         current = sha256(data) if data is not None else None
         if path is not None and data is not None and current in (entry.sha256_after, entry.sha256_before):
-            self._sync_record(entry.record, entry.path, data)
+            self._sync_record(entry.record, entry.path, data, _row_found([entry], current))
             refresh_bytecode(path)
             if current == entry.sha256_after:
                 entry.state = mf.APPLIED
@@ -258,7 +268,11 @@ class Transaction:
         for w in writes:
             path = self.target(w.relpath)
             self._record(w.record)  # refused now, before anything is written, if it is a symlink
-            if path.read_bytes() != w.before:
+            try:
+                now: bytes | None = path.read_bytes()
+            except FileNotFoundError:
+                now = None
+            if now != w.before:
                 raise TransactionError(errno.EAGAIN, f"{path} changed while fp32patch was working; run it again")
             planned.append((w, path))
 
@@ -275,6 +289,9 @@ class Transaction:
                         kept_now.append(digest)
             step()
             for w in writes:  # 2. intent: the file's bytes before and after, its entries before and after
+                if w.before is None:  # a file that is gone: no write to settle, only its entries go
+                    manifest.replace_path(w.relpath, w.entries)
+                    continue
                 manifest.intents.append(
                     mf.Intent(
                         w.relpath, sha256(w.before), sha256(w.after), [copy.copy(e) for e in manifest.on(w.relpath)]
@@ -286,13 +303,13 @@ class Transaction:
             self.state.save(manifest)
             step()
             for w, path in planned:  # 3. the files themselves
-                if w.after == w.before:
+                if w.after == w.before or w.after is None:
                     continue
                 st = path.stat()
                 # noted before the write: a Ctrl-C just after the replace must still put the file back
                 done.append((w, path, st, self._record_now(w.record)))
                 atomic_write(path, w.after, like=st)
-                self._sync_record(w.record, w.relpath, w.after)
+                self._sync_record(w.record, w.relpath, w.after, w.record_row)
                 refresh_bytecode(path)
                 step()
             for w in writes:  # 4. settle the record (a failure here still undoes the files)
