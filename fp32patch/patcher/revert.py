@@ -17,6 +17,8 @@ the release's file has the recorded sha256.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +119,7 @@ def revert(
         notes += more
         refused |= bad
     if not outcomes:
-        return Report("revert", [], EXIT_OK, notes=["nothing to revert: no patched target found"])
+        return Report("revert", [], EXIT_OK, notes=[*notes, "nothing to revert: no patched target found"])
     if refused:
         notes.append("nothing was written in a root with a refusal")
         if any(o.status == Status.DRIFTED for o in outcomes):
@@ -198,8 +200,14 @@ def _revert_root(
             others = [by_id[i].outcome(Status.APPLIED, message=held) for i in wanted if i in recorded and i in by_id]
             return judged + others, [], True
     if not (recorded & set(wanted)) and not loose and not tx.needs_recovery(peek, relpaths):
+        notes = []
+        if not recorded and os.path.isdir(state.path):  # a state folder with nothing of ours: a run cut short
+            with contextlib.suppress(OSError), state.lock():
+                pass  # taking the lock tidies it away
+            if not os.path.lexists(state.path):
+                notes.append(f"removed {state.path}: an interrupted fp32patch run left it, with nothing recorded in it")
         why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
-        return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], [], False
+        return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], notes, False
     try:
         ours = [e.path for e in peek.entries if inside(root, root / e.path)]
         tx.check_writable(relpaths + ours, [e.record for e in peek.entries])

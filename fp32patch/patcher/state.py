@@ -72,8 +72,31 @@ class StateDir:
         try:
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            try:
+                self.tidy()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    def tidy(self) -> None:
+        """What no record refers to goes (call under the lock): kept originals no entry names (a run cut
+        short after keeping them), and the whole folder when nothing of ours is recorded here. A root
+        with nothing of ours in it has no state folder, whatever stopped the last run."""
+        try:
+            manifest = mf.loads(read_no_follow(self.manifest_path), str(self.manifest_path))
+        except FileNotFoundError:
+            manifest = mf.Manifest()
+        except (OSError, mf.ManifestError):
+            return  # not ours to judge: the next command reports it
+        if not (manifest.entries or manifest.intents):
+            self.remove_if_unused(manifest)
+            return
+        named = {e.sha256_before for e in [*manifest.entries, *(p for i in manifest.intents for p in i.previous)]}
+        with contextlib.suppress(OSError):
+            if self.real_dir(self.originals):
+                for kept in os.scandir(self.originals):
+                    if kept.name not in named and kept.is_file(follow_symlinks=False) and len(kept.name) == 64:
+                        os.unlink(kept.path)
 
     def _locked_fd(self) -> int:
         # A full revert removes the state folder, lock included, while it holds the lock: a process
