@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.locate import Located, LocateError, check_root, locate, normalize
 from fp32patch.patcher.model import Spec, Status
-from fp32patch.patcher.report import Outcome, UsageError
+from fp32patch.patcher.report import Invocation, Outcome, UsageError
 from fp32patch.patcher.spec import SpecError, load_specs
 from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.transaction import TransactionError, describe_os_error
+from fp32patch.patcher.transaction import RollbackError, TransactionError, describe_os_error
 
 if TYPE_CHECKING:
     from fp32patch.patcher.transform import Result
@@ -174,10 +174,20 @@ def load_manifest(root: Path) -> mf.Manifest:
         ) from None
 
 
-def write_error(root: Path, exc: OSError) -> UsageError:
-    """A root that cannot be written is bad input: exit 2, with what and where."""
+def write_error(root: Path, exc: OSError, inv: Invocation | None = None, roots: int = 1) -> UsageError:
+    """A root that cannot be written is bad input: exit 2, with the file and the error that failed, and
+    what was left: nothing changed, or (a rollback that failed too) what the next command settles."""
+    if isinstance(exc, RollbackError):
+        inv = inv or Invocation((root,))
+        first = f"{exc.cause}; " if exc.cause else ""
+        return UsageError(
+            f"cannot write in {root}: {first}and the rollback could not put back {'; '.join(exc.failed)}. Every "
+            f"file is whole (its old or new bytes) and the run's intent is recorded: `{inv.command('revert')}` or "
+            f"`{inv.command('apply')}` settles it"
+        )
     text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
-    return UsageError(f"cannot write in {root}: {text}; nothing was changed")
+    anywhere = " in any of the import roots" if roots > 1 else ""
+    return UsageError(f"cannot write in {root}: {text}; nothing was changed{anywhere}")
 
 
 def read(path: Path) -> bytes | None:

@@ -22,7 +22,7 @@ import contextlib
 import copy
 import errno
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +32,47 @@ from fp32patch.patcher.bytecode import refresh_bytecode
 from fp32patch.patcher.record import put_row, record_hash, rewrite_record
 from fp32patch.patcher.state import StateDir, sha256
 
-__all__ = ["StateDir", "Transaction", "TransactionError", "Write", "describe_os_error", "record_hash", "sha256"]
+__all__ = [
+    "RollbackError",
+    "StateDir",
+    "Transaction",
+    "TransactionError",
+    "Write",
+    "commit_all",
+    "describe_os_error",
+    "locked",
+    "record_hash",
+    "sha256",
+]
 
 
 def describe_os_error(exc: OSError) -> str:
     where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
     return f"{exc.strerror or exc}{where}"
+
+
+class RollbackError(TransactionError):
+    """A write failed and putting back what it had changed failed too: what failed first, and what is left."""
+
+    def __init__(self, cause: BaseException | str | None, failed: list[str]):
+        if isinstance(cause, RollbackError):
+            cause = cause.cause
+        elif isinstance(cause, OSError):
+            cause = describe_os_error(cause)
+        elif isinstance(cause, KeyboardInterrupt):
+            cause = "interrupted (Ctrl-C)"
+        elif isinstance(cause, BaseException):
+            cause = f"{type(cause).__name__}: {cause}"
+        self.cause: str = cause or ""
+        self.failed = failed
+        super().__init__(errno.EIO, "; ".join(failed))
+
+
+def _bytes_of(path: Path) -> bytes | None:
+    try:
+        return read_no_follow(path)
+    except OSError:
+        return None
 
 
 def _read_only_fs(folder: Path) -> bool:
@@ -78,8 +113,10 @@ class Transaction:
     def __init__(self, root: Path):
         self.root = root
         self.state = StateDir(root)
-        # how far ``commit`` got, for a run cut short (Ctrl-C): "none", "writing", "rolled-back", "done"
+        # how far ``commit`` got, for a run cut short (Ctrl-C): "none", "writing", "rolled-back", "done",
+        # and "undone" (a finished commit put back because another root of the run failed)
         self.progress = "none"
+        self._committed: tuple[list, bytes | None, list[str]] = ([], None, [])
 
     # -- paths: every file written or read back must be inside the root
 
@@ -114,6 +151,7 @@ class Transaction:
         """
         folders = {self.state.path if self.state.path.is_dir() else self.root}
         folders |= {self.target(r).parent for r in relpaths}
+        folders |= {f / "__pycache__" for f in list(folders) if (f / "__pycache__").is_dir()}  # bytecode is refreshed
         folders |= {(self.root / r).parent for r in records if r is not None}
         for folder in sorted(folders):
             if not folder.exists():  # a file gone with its folder: nothing is written there
@@ -317,36 +355,91 @@ class Transaction:
                     entry.state = mf.APPLIED
             manifest.intents = []
             self.state.save(manifest)
-        except BaseException:
-            self._rollback(done, previous, kept_now)
+        except BaseException as exc:
+            self._rollback(done, previous, kept_now, exc)
             self.progress = "rolled-back"
             raise
         self.progress = "done"
-        self.state.remove_if_unused(manifest)
+        self._committed = (done, previous, kept_now)
         return displaced
 
+    def undo(self) -> None:
+        """Put back everything a finished ``commit`` wrote (another root of the same run failed).
+
+        The caller still holds the lock; the state folder is tidied only when it is released, so
+        the kept originals a full revert no longer names are still there to be named again."""
+        if self.progress != "done":
+            return
+        done, previous, kept = self._committed
+        self.progress = "writing"
+        self._rollback(done, previous, kept, None)
+        self.progress = "undone"
+
     def _rollback(
-        self, done: list[tuple[Write, Path, os.stat_result, bytes | None]], previous: bytes | None, kept: list[str]
+        self,
+        done: list[tuple[Write, Path, os.stat_result, bytes | None]],
+        previous: bytes | None,
+        kept: list[str],
+        cause: BaseException | None,
     ) -> None:
+        """Put back each file (and its RECORD) that does not have its bytes from before; only what changed
+        is written, so a failure to write a file is never reported as a failure to put it back."""
         failed: list[str] = []
         for w, path, st, record_before in reversed(done):
             try:
-                atomic_write(path, w.before, like=st)
+                if _bytes_of(path) != w.before:
+                    atomic_write(path, w.before, like=st)
+                    with contextlib.suppress(OSError):  # the bytecode of bytes that are back is that of before
+                        refresh_bytecode(path)
                 record = self._record(w.record)
-                if record_before is not None and record is not None:
+                if record_before is not None and record is not None and _bytes_of(record) != record_before:
                     atomic_write(record, record_before, like=record.stat())
-                refresh_bytecode(path)
             except OSError as exc:
                 failed.append(f"{path}: {describe_os_error(exc)}")
+        try:
+            if not failed:
+                self.state.restore_manifest(previous)
+        except OSError as exc:
+            failed.append(f"{self.state.manifest_path}: {describe_os_error(exc)}")
         if failed:
             # the manifest keeps its intent entries: the next apply or revert settles them
-            raise TransactionError(
-                errno.EIO,
-                "the rollback could not put back " + "; ".join(failed) + ". Each file is whole (old or new bytes); "
-                "run `fp32patch apply` or `fp32patch revert` again to settle the rest",
-            )
-        self.state.restore_manifest(previous)
+            raise RollbackError(cause, failed)
         for digest in kept:  # stored by this transaction, referenced by nothing now
             self.state.forget(digest)
-        if previous is None:  # the state folder was made for this run: nothing of ours stays
-            self.state.remove_if_unused(mf.Manifest())
+
+
+# ---------------------------------------------------------------- every root of one run
+
+
+@contextlib.contextmanager
+def locked(roots: Iterable[Path]) -> Iterator[None]:
+    """The locks of every root of one run, taken in one order (two runs never wait on each other in a circle)."""
+    with contextlib.ExitStack() as stack:
+        for root in sorted(set(roots), key=str):
+            stack.enter_context(StateDir(root).lock())
+        yield
+
+
+def commit_all(runs: list[tuple[Transaction, list[Write], mf.Manifest]]) -> list[list[Path]]:
+    """Commit each root's writes in turn, under every root's lock: all roots, or none.
+
+    A failure in one root (Ctrl-C included) rolls that root back (``commit``) and undoes every root
+    committed before it, then re-raises: a ``RollbackError`` when something could not be put back.
+    """
+    finished: list[Transaction] = []
+    displaced: list[list[Path]] = []
+    try:
+        for tx, writes, manifest in runs:
+            displaced.append(tx.commit(writes, manifest) if writes else [])
+            finished.append(tx)
+    except BaseException as exc:
+        failed: list[str] = []
+        for tx in reversed(finished):
+            try:
+                tx.undo()
+            except RollbackError as undo:
+                failed += undo.failed
+        if failed:
+            raise RollbackError(exc, [*(exc.failed if isinstance(exc, RollbackError) else []), *failed]) from None
+        raise
+    return displaced
