@@ -21,10 +21,10 @@ from fp32patch.patcher.plan import (
     Target,
     by_root,
     entries_after,
-    load_manifest,
     read,
     searched_order,
     select_specs,
+    settle,
     targets,
     write_error,
 )
@@ -110,7 +110,7 @@ def apply(
         with locked(mine):
             for i, plan in enumerate(plans):
                 if plan.root in mine:
-                    notes += Transaction(plan.root).recover(load_manifest(plan.root), list(plan.files))
+                    notes += settle(Transaction(plan.root), list(plan.files), inv)
                     plans[i] = RootPlan.build(plan.root, plan.targets)
                     judged[i] = _judge(plans[i], inv)
             if gone or any(_refused(j) for j in judged):

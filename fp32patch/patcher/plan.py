@@ -26,7 +26,7 @@ from fp32patch.patcher.model import Spec, Status
 from fp32patch.patcher.report import Invocation, Outcome, UsageError
 from fp32patch.patcher.spec import SpecError, load_specs
 from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.transaction import RollbackError, TransactionError, describe_os_error
+from fp32patch.patcher.transaction import RollbackError, Transaction, TransactionError, describe_os_error
 
 if TYPE_CHECKING:
     from fp32patch.patcher.transform import Result
@@ -169,8 +169,21 @@ def load_manifest(root: Path) -> mf.Manifest:
     except mf.ManifestError as exc:
         raise UsageError(
             f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over: files patched under it "
-            "then read as unrecorded, and `fp32patch revert --against WHEEL|SDIST|DIR` (the installed release) "
-            "restores them, as reinstalling the package does"
+            f"then read as unrecorded, and `{Invocation((root,)).command('revert')} --against WHEEL|SDIST|DIR` (the "
+            "installed release) restores them, as reinstalling the package does"
+        ) from None
+
+
+def settle(tx: Transaction, relpaths: list[str], inv: Invocation) -> list[str]:
+    """``tx.recover`` under the lock, with the manifest read now; a failure there is named as such
+    (the interrupted run's intent stays recorded), never "nothing was changed"."""
+    try:
+        return tx.recover(load_manifest(tx.root), relpaths)
+    except OSError as exc:
+        text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
+        raise UsageError(
+            f"cannot settle the interrupted fp32patch run in {tx.root}: {text}. Its intent stays recorded: "
+            f"once that is fixed, `{inv.command('apply')}` or `{inv.command('revert')}` settles it"
         ) from None
 
 

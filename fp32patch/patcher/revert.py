@@ -36,6 +36,7 @@ from fp32patch.patcher.plan import (
     load_manifest,
     read,
     select_specs,
+    settle,
     write_error,
 )
 from fp32patch.patcher.plan import (
@@ -321,9 +322,8 @@ class _Root:
 
     def prepare(self) -> None:
         """Under the lock: settle an interrupted run, then judge and plan every file of this root."""
-        manifest = load_manifest(self.root)
-        self.notes = self.tx.recover(manifest, self.relpaths)
-        self.manifest = manifest
+        self.notes = settle(self.tx, self.relpaths, self.inv)
+        manifest = self.manifest = load_manifest(self.root)
         wanted = self._wanted(manifest)
         found, loose, recorded = self._loose(manifest)
         if loose:

@@ -61,7 +61,10 @@ def classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
     state = _interrupted(plan, t)
     if state is not None:
         what = "apply" if state == "pending" else "revert"
-        note = f"an fp32patch {what} was interrupted here; the next apply or revert settles it"
+        note = (
+            f"an fp32patch {what} was interrupted here; `{inv.command('apply')}` or `{inv.command('revert')}` "
+            "settles it"
+        )
         outcome.message = f"{outcome.message}; {note}" if outcome.message else note
         outcome.details["interrupted"] = state
     return outcome
