@@ -221,6 +221,14 @@ def test_a_deeply_nested_manifest_is_exit_2(vllm_root, cli):
         assert code == 2 and "manifest.json" in out["error"]
 
 
+def test_a_deeply_nested_spec_is_exit_2(vllm_root, tmp_path, cli):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "deep.toml").write_text("edits = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    code, out = cli.json("verify", "-s", vllm_root, "--specs", specs)
+    assert code == 2 and "deep.toml" in out["error"]
+
+
 def _wheel_with_damaged_member(vllm_stock: Path, dest: Path) -> Path:
     """vLLM 0.25.1's METADATA and logits_processor.py in a wheel whose deflate data for that file is damaged."""
     with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as wheel:
