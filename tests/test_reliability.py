@@ -198,7 +198,7 @@ def test_a_recorded_file_that_is_gone_is_never_not_installed(vllm_root, cli):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("patch", ["vllm-fp32-logits"]), ("version", {"v": 1}), ("mode", "0644"), ("applied_at", 7), ("record_row", 1)],
+    [("patch", ["vllm-fp32-logits"]), ("version", {"v": 1}), ("distribution", 3), ("applied_at", 7), ("variant", [1])],
 )
 @pytest.mark.parametrize("command", ["verify", "status", "revert", "apply"])
 def test_a_manifest_field_of_the_wrong_type_is_exit_2(vllm_root, cli, field, value, command):
@@ -423,26 +423,6 @@ def test_apply_racing_a_revert_judges_under_the_lock(vllm_root, cli, monkeypatch
     assert cli("verify", "-s", vllm_root).exit_code == 0
 
 
-def test_apply_and_revert_racing_never_answer_a_refusal(vllm_root):
-    """The real race, a few rounds: every answer is 0, and the root is whole (patched or original)."""
-    for _ in range(4):
-        env = _env()
-        code = "import runpy, sys; sys.argv[0] = 'fp32patch'; runpy.run_module('fp32patch', run_name='__main__')"
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", code, verb, "-s", str(vllm_root)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for verb in ("apply", "revert", "apply", "revert")
-        ]
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, (proc.args[3], out, err)
-
-
 # ---------------------------------------------------------------- 7. --json that prints nothing
 
 
@@ -453,8 +433,6 @@ def test_apply_and_revert_racing_never_answer_a_refusal(vllm_root):
         ["check"],
         ["list", "-s", "/nonexistent"],
         ["list", "--envs", "{empty}"],
-        ["apply", "-s", "/nonexistent"],
-        ["revert", "--patch", "no-such-patch"],
         ["apply", "--specs", "/nonexistent"],
     ],
 )
