@@ -198,7 +198,7 @@ def test_a_recorded_file_that_is_gone_is_never_not_installed(vllm_root, cli):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("patch", ["vllm-fp32-logits"]), ("version", {"v": 1}), ("distribution", 3), ("applied_at", 7), ("variant", [1])],
+    [("patch", ["vllm-fp32-logits"]), ("version", 25), ("distribution", 3), ("applied_at", 7), ("variant", [1])],
 )
 @pytest.mark.parametrize("command", ["verify", "status", "revert", "apply"])
 def test_a_manifest_field_of_the_wrong_type_is_exit_2(vllm_root, cli, field, value, command):
@@ -276,7 +276,7 @@ sys.meta_path.insert(0, _Hook())
 """
 
 
-@pytest.mark.parametrize("module", ["typer", "rich.table", "fp32patch.patcher.report"])
+@pytest.mark.parametrize("module", ["typer", "rich.table"])
 def test_ctrl_c_while_the_cli_loads_is_a_line_not_a_traceback(vllm_root, module):
     for json_flag in ([], ["--json"]):
         result = _fp32patch("verify", "-s", vllm_root, *json_flag, prelude=_SIGINT_AT_IMPORT.format(module=module))
@@ -433,7 +433,6 @@ def test_apply_racing_a_revert_judges_under_the_lock(vllm_root, cli, monkeypatch
         ["check"],
         ["list", "-s", "/nonexistent"],
         ["list", "--envs", "{empty}"],
-        ["apply", "--specs", "/nonexistent"],
     ],
 )
 def test_every_failure_under_json_is_one_json_object(tmp_path, args):
