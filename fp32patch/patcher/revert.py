@@ -120,14 +120,14 @@ def revert(
     refused = False
     # First each root read without its lock: one with nothing to revert is answered there; an unrecorded
     # refusal is answered there only where the root cannot be locked to read it again.
+    every = [_Root(root, env, ts, ids, specs, force, inv, stock) for root, (env, ts) in found.items()]
     work: list[_Root] = []
-    for root, (env, ts) in found.items():
-        r = _Root(root, env, ts, ids, specs, force, inv, stock)
+    for r in every:
         answer = r.without_lock()
         if answer is None:
             work.append(r)
             continue
-        outcomes += answer[0]
+        r.outcomes = answer[0]
         notes += answer[1]
         refused |= answer[2]
     # Then, under the lock of every root that reverts, each judged again, and all roots written or none.
@@ -139,9 +139,9 @@ def revert(
                     r.prepare()
                 else:
                     r.refuse_unwritable()
-                outcomes += r.outcomes
                 notes += r.notes
                 refused |= r.refused
+            outcomes = [o for r in every for o in r.outcomes]  # in the order the roots were given
             if refused:
                 for o in outcomes:
                     if o.status == Status.REVERTED:  # planned, not written: it is still what it was
@@ -158,6 +158,7 @@ def revert(
         failed = next((r for r in mine if r.tx.progress not in ("undone", "done", "none")), None)
         raise write_error((failed or (mine or work)[0]).root, exc, inv, len(found)) from None
     except KeyboardInterrupt:
+        outcomes = [o for r in every for o in r.outcomes]
         failed = next((r for r in mine if r.tx.progress not in ("undone", "done")), None)
         where = failed.root if failed else work[0].root if work else Path(".")
         stop = Interrupted(where, failed.tx.progress if failed else "none", inv)
