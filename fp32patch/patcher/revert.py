@@ -283,7 +283,8 @@ class _Root:
             notes = []
             if not recorded and os.path.isdir(self.state.path):  # a state folder with nothing of ours: a run cut short
                 with contextlib.suppress(OSError), self.state.lock():
-                    pass  # taking the lock tidies it away
+                    if not self.tx.needs_recovery(load_manifest(self.root), self.relpaths):
+                        self.state.touch()  # releasing the lock tidies it away
                 if not os.path.lexists(self.state.path):
                     notes.append(
                         f"removed {self.state.path}: an interrupted fp32patch run left it, with nothing recorded in it"
@@ -330,6 +331,7 @@ class _Root:
         if loose:
             judged = self._judge_loose(found, loose, recorded, wanted)
             if judged is not None:
+                self.state.untouch()  # refused: what the state folder holds stays
                 self.outcomes, self.refused = judged, True
                 return
         skip = {t.spec.id for t in loose}

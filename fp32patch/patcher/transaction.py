@@ -233,6 +233,7 @@ class Transaction:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         if stale:
+            self.state.touch()  # a run cut short was here: with nothing recorded, its folder goes too
             notes.append(
                 f"removed {len(stale)} temporary file(s) left by an interrupted fp32patch run: "
                 + ", ".join(str(p) for p in stale)
