@@ -137,6 +137,30 @@ def test_one_root_that_cannot_be_written_leaves_every_root_as_it_was(vllm_root, 
     assert cli("verify", "-s", a, "-s", b).exit_code == 0
 
 
+_SIGINT_WRITING_B = """
+import os, signal
+import fp32patch.patcher.transaction as _t
+_refresh = _t.refresh_bytecode
+_sent = []
+def _refresh_then_ctrl_c(path):
+    _refresh(path)
+    if {b!r} in str(path) and not _sent:  # B's first file is replaced: A was written whole before it
+        _sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+_t.refresh_bytecode = _refresh_then_ctrl_c
+"""
+
+
+def test_ctrl_c_in_the_second_root_puts_back_the_first(vllm_root, tmp_path):
+    a = vllm_root
+    b = shutil.copytree(vllm_root, tmp_path / "b")
+    before = {a: tree_digest(a), b: tree_digest(b)}
+    result = _fp32patch("apply", "-s", a, "-s", b, prelude=_SIGINT_WRITING_B.format(b=str(b)))
+    assert result.returncode == 130
+    assert f"while writing {b}: rolled back" in result.stderr
+    assert {a: tree_digest(a), b: tree_digest(b)} == before
+
+
 def test_unprivileged_user_refused_in_one_root_writes_in_none(vllm_root, public):
     """As a user who owns A but not B: exit 2 naming B, and A is untouched."""
     a = _copy(vllm_root, public / "a", owner=NOBODY)
