@@ -10,22 +10,77 @@ found a problem, 2 bad usage or input (nothing written), 3 a patch cannot be app
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import sys
-from pathlib import Path
-from typing import Annotated
 
-import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from fp32patch import __version__
-from fp32patch.patcher.model import Status
-from fp32patch.patcher.report import EXIT_INTERRUPTED, EXIT_USAGE, Outcome, Report, UsageError
+def _interrupted_starting(*_) -> None:
+    """Ctrl-C while the CLI itself is still loading (typer, rich): a line, not a traceback; nothing was written."""
+    message = "interrupted (Ctrl-C) while fp32patch was starting; nothing was written; exit 130"
+    if "--json" in sys.argv[1:]:
+        sys.stdout.write('{\n  "ok": false,\n  "error": "' + message + '",\n  "patches": []\n}\n')
+    sys.stderr.write(message + "\n")
+    raise SystemExit(130)
+
+
+def _catch_ctrl_c_while_starting():
+    """The previous SIGINT handler (None outside the main thread, where no signal is delivered)."""
+    try:
+        return signal.signal(signal.SIGINT, _interrupted_starting)
+    except ValueError:
+        return None
+
+
+# Ctrl-C until this module is loaded ends the run with a line (its last lines put the previous handler back)
+try:
+    _sigint = _catch_ctrl_c_while_starting()
+    import json
+    from pathlib import Path
+    from typing import Annotated
+
+    import typer
+    import typer.core
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    from fp32patch import __version__
+    from fp32patch.patcher.model import Status
+    from fp32patch.patcher.report import EXIT_INTERRUPTED, EXIT_USAGE, Outcome, Report, UsageError
+except KeyboardInterrupt:  # before the handler was in place
+    _interrupted_starting()
+
+
+def _json_error(message: str) -> None:
+    """Under ``--json`` every failure is one JSON object on stdout (the message goes to stderr too)."""
+    print(json.dumps({"ok": False, "error": message, "patches": []}, indent=2))
+
+
+class _Group(typer.core.TyperGroup):
+    """With ``--json``, a usage error (an unknown option, a missing ``--against``) is a JSON object too."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--json" not in argv or not standalone_mode:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        # newer typer carries its own copy of click (typer.core._click), older typer uses click
+        click = getattr(typer.core, "_click", None) or typer.core.click
+        try:
+            code = super().main(argv, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            _json_error(exc.format_message())
+            err.print(f"[bold red]error:[/] {escape(exc.format_message())}", soft_wrap=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            _json_error("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 app = typer.Typer(
+    cls=_Group,
     name="fp32patch",
     help="fp32 LM-head logits in both engines of RL training: patches vLLM, NeMo-RL and verl at image-build time "
     "(apply, verify in CI, revert), so the generation engine and the trainer compute the LM head in fp32 from one switch.",
@@ -242,11 +297,14 @@ def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) ->
     try:
         report = fn(*args, **kwargs)
     except KeyboardInterrupt:  # a writer reports its own interruption; this one came while none was writing
-        err.print(f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}", soft_wrap=True)
+        message = f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}"
+        if as_json:
+            _json_error(message)
+        err.print(message, soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (UsageError, SpecError) as exc:
         if as_json:
-            print(json.dumps({"ok": False, "error": str(exc), "patches": []}, indent=2))
+            _json_error(str(exc))
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
     _render(report, as_json=as_json, show_diff=show_diff, envs=kwargs.get("envs") or [])
@@ -383,14 +441,14 @@ def check(
 @app.command(name="list")
 def list_(site_packages: SitePackages = None, envs: Envs = None, as_json: Json = False, specs: Specs = None) -> None:
     """List the patches this fp32patch carries, and the release of each installed in the import roots."""
-    from rich.markup import escape
-
     from fp32patch.patcher.plan import installed, select_specs
 
     try:
         loaded = select_specs([], specs)
         where = installed(loaded, site_packages or [], envs or [])
     except UsageError as exc:
+        if as_json:
+            _json_error(str(exc))
         err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
     if as_json:
@@ -426,8 +484,6 @@ def list_(site_packages: SitePackages = None, envs: Envs = None, as_json: Json =
 @app.command()
 def ops(as_json: Json = False) -> None:
     """List the operations a spec's edits can use, with their fields."""
-    from rich.markup import escape
-
     from fp32patch.patcher.vocabulary import EDIT_FIELDS, OPERATIONS
 
     common = ("id", "op", "file", "code", "code_file", "count", "skip_when")
@@ -468,5 +524,12 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:  # typer turns most into exit 130 itself: this is Ctrl-C outside a command
-        err.print(f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}", soft_wrap=True)
+        message = f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}"
+        if "--json" in sys.argv[1:]:
+            _json_error(message)
+        err.print(message, soft_wrap=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+if _sigint is not None:
+    signal.signal(signal.SIGINT, _sigint)

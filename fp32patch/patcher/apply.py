@@ -14,17 +14,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp32patch.patcher.model import Spec, Status
+from fp32patch.patcher import manifest as mf
+from fp32patch.patcher.model import Status
 from fp32patch.patcher.plan import (
     RootPlan,
     Target,
     by_root,
     entries_after,
+    read,
     searched_order,
     select_specs,
+    settle,
     targets,
     write_error,
 )
+from fp32patch.patcher.record import row_of
 from fp32patch.patcher.report import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -36,9 +40,9 @@ from fp32patch.patcher.report import (
     Report,
     fold_not_installed,
 )
-from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.status import classify
-from fp32patch.patcher.transaction import Transaction, Write
+from fp32patch.patcher.state import sha256
+from fp32patch.patcher.status import classify, missing
+from fp32patch.patcher.transaction import Transaction, Write, commit_all, locked
 from fp32patch.patcher.transform import Result, unified_diff
 
 
@@ -61,9 +65,12 @@ def apply(
     specs = select_specs(ids, spec_dir)
     ts = targets(specs, roots, envs)
     groups = by_root(ts)
-    outcomes = [t.not_installed() for t in ts if t.located is None]
+    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
+    manifests: dict = {}
+    outcomes = [missing(t, inv, manifests) for t in ts if t.located is None]
+    gone = any(o.status == Status.DRIFTED for o in outcomes)  # a recorded file deleted since: verify fails it
     order = searched_order(ts)
-    if not groups:
+    if not groups and not gone:
         return Report(
             "apply",
             fold_not_installed(outcomes, order),
@@ -73,45 +80,120 @@ def apply(
 
     # First every result, without writing: one refusal anywhere means nothing is written.
     plans = [RootPlan.build(root, group) for root, group in groups.items()]
-    chains = [plan.chain([t.spec for t in plan.targets]) for plan in plans]
-    inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
-    # a file that already carries a patch is judged as verify judges it (drifted, unrecorded, ...)
-    judged = {
-        (plan.root, t.spec.id): verdict
-        for plan, (results, _) in zip(plans, chains, strict=True)
+    judged = [_judge(plan, inv) for plan in plans]
+    refused = gone or any(_refused(j) for j in judged)
+    if dry_run or (refused and not any(_lockable(plan) for plan, j in zip(plans, judged, strict=True) if _refused(j))):
+        return _without_writing(outcomes, plans, judged, refused, dry_run, order)
+    busy = [
+        (plan, j)
+        for plan, j in zip(plans, judged, strict=True)
+        if _refused(j)
+        or any(r.status == Status.APPLIED for r in j[0].values())
+        or Transaction(plan.root).needs_recovery(plan.manifest, list(plan.files))
+    ]
+    if not busy:  # every root patched already and settled: no lock, no state folder (a read-only image)
+        return Report("apply", fold_not_installed(outcomes + _reported_all(plans, judged), order), EXIT_OK)
+
+    # Then, under the lock of every root that writes (or was refused: a racing run may have caused it),
+    # the judgement again, and the writes of every root, or none.
+    unwritable: dict[Path, OSError] = {}
+    mine: list[Path] = []
+    for plan, _ in busy:
+        try:
+            Transaction(plan.root).check_writable(list(plan.files), [plan.record_rel(t.spec) for t in plan.targets])
+            mine.append(plan.root)
+        except OSError as exc:  # a refused root that cannot be locked keeps the verdict read without it
+            unwritable[plan.root] = exc
+    notes: list[str] = []
+    runs: list[tuple[Transaction, list[Write], mf.Manifest]] = []
+    try:
+        with locked(mine):
+            for i, plan in enumerate(plans):
+                if plan.root in mine:
+                    notes += settle(Transaction(plan.root), list(plan.files), inv)
+                    plans[i] = RootPlan.build(plan.root, plan.targets)
+                    judged[i] = _judge(plans[i], inv)
+            if gone or any(_refused(j) for j in judged):
+                return _without_writing(outcomes, plans, judged, True, False, order, notes)
+            for root, exc in unwritable.items():
+                raise write_error(root, exc, inv, len(plans))
+            for plan, (results, final, _) in zip(plans, judged, strict=True):
+                writes = _writes(plan, results, final)
+                if writes:
+                    runs.append((Transaction(plan.root), writes, plan.manifest))
+            commit_all(runs)
+    except OSError as exc:  # TransactionError included: a root cannot be written as planned
+        raise write_error(_failed(runs, plans[0].root), exc, inv, len(plans)) from None
+    except KeyboardInterrupt:
+        failed = next((tx for tx, _, _ in runs if tx.progress not in ("undone", "done")), None)
+        stop = Interrupted(failed.root if failed else plans[0].root, failed.progress if failed else "none", inv)
+        return Report("apply", fold_not_installed(outcomes, order), EXIT_INTERRUPTED, [*notes, stop.note(0)])
+    return Report("apply", fold_not_installed(outcomes + _reported_all(plans, judged), order), EXIT_OK, notes=notes)
+
+
+def _failed(runs: list[tuple[Transaction, list[Write], mf.Manifest]], default: Path) -> Path:
+    """The root whose write failed (every root committed before it is undone)."""
+    return next((tx.root for tx, _, _ in runs if tx.progress not in ("undone", "done")), default)
+
+
+Judged = tuple[dict[str, Result], dict[str, bytes | None], dict[str, Outcome]]
+
+
+def _judge(plan: RootPlan, inv: Invocation) -> Judged:
+    """Each patch's result on the root's bytes, and the verdict on a file that already carries a patch
+    (judged as verify judges it: drifted, unrecorded, outdated, original-lost)."""
+    results, final = plan.chain([t.spec for t in plan.targets])
+    verdicts = {
+        t.spec.id: verdict
         for t in plan.targets
         if results[t.spec.id].status == Status.ALREADY_APPLIED
         and (verdict := classify(plan, t, inv)).status != Status.APPLIED
     }
-    refused = bool(judged) or any(r.status.refused for results, _ in chains for r in results.values())
-    if refused or dry_run:
-        for plan, (results, _) in zip(plans, chains, strict=True):
-            for t in plan.targets:
-                if (plan.root, t.spec.id) in judged:
-                    outcomes.append(judged[plan.root, t.spec.id])
-                    continue
-                r = results[t.spec.id]
-                status: Status = r.status
-                diff = None
-                if r.status == Status.APPLIED:
-                    status = Status.WOULD_APPLY if not refused else Status.NOT_APPLIED
-                    before = {p: plan.files.get(p) for p in t.spec.target.paths}
-                    diff = _diffs(before, {p: r.files.get(p, before[p]) for p in before}, t.spec.target.paths)
-                outcomes.append(t.outcome(status, message=r.message, variant=r.variant, diff=diff))
-        code = EXIT_REFUSED if refused else EXIT_OK
-        notes = ["nothing was written"] if refused else ["dry run: nothing was written"]
-        return Report("apply", fold_not_installed(outcomes, order), code, notes=notes)
+    return results, final, verdicts
 
-    notes: list[str] = []
-    for finished, (plan, (results, _)) in enumerate(zip(plans, chains, strict=True)):
-        try:
-            done, settled = _commit(plan, results)
-        except Interrupted as stop:
-            return Report("apply", fold_not_installed(outcomes, order), EXIT_INTERRUPTED, [*notes, stop.note(finished)])
-        outcomes += done
-        notes += settled
-    code = EXIT_REFUSED if any(Status(str(o.status)).refused for o in outcomes) else EXIT_OK
-    return Report("apply", fold_not_installed(outcomes, order), code, notes=notes)
+
+def _refused(j: Judged) -> bool:
+    return bool(j[2]) or any(r.status.refused for r in j[0].values())
+
+
+def _lockable(plan: RootPlan) -> bool:
+    try:
+        Transaction(plan.root).check_writable(list(plan.files))
+    except OSError:
+        return False
+    return True
+
+
+def _without_writing(
+    outcomes: list[Outcome],
+    plans: list[RootPlan],
+    judged: list[Judged],
+    refused: bool,
+    dry_run: bool,
+    order: list[str],
+    notes: Sequence[str] = (),
+) -> Report:
+    outcomes = list(outcomes)
+    for plan, (results, _, verdicts) in zip(plans, judged, strict=True):
+        for t in plan.targets:
+            if t.spec.id in verdicts:
+                outcomes.append(verdicts[t.spec.id])
+                continue
+            r = results[t.spec.id]
+            status: Status = r.status
+            diff = None
+            if r.status == Status.APPLIED:
+                status = Status.WOULD_APPLY if not refused else Status.NOT_APPLIED
+                before = {p: plan.files.get(p) for p in t.spec.target.paths}
+                diff = _diffs(before, {p: r.files.get(p, before[p]) for p in before}, t.spec.target.paths)
+            outcomes.append(t.outcome(status, message=r.message, variant=r.variant, diff=diff))
+    code = EXIT_REFUSED if refused else EXIT_OK
+    said = ["nothing was written"] if refused else ["dry run: nothing was written"]
+    return Report("apply", fold_not_installed(outcomes, order), code, notes=[*notes, *said])
+
+
+def _reported_all(plans: list[RootPlan], judged: list[Judged]) -> list[Outcome]:
+    return [_reported(t, j[0][t.spec.id]) for plan, j in zip(plans, judged, strict=True) for t in plan.targets]
 
 
 def _writes(plan: RootPlan, results: dict[str, Result], final: dict[str, bytes | None]) -> list[Write]:
@@ -123,53 +205,25 @@ def _writes(plan: RootPlan, results: dict[str, Result], final: dict[str, bytes |
         if after is None or before is None or after == before:
             continue
         old = plan.manifest.on(path)
+        record = next((plan.record_rel(s) for s in specs.values() if path in s.target.paths), None)
         if old and sha256(before) == old[0].sha256_after:
             original, keep = old[0].sha256_before, None  # patched by us already: its original is kept
+            row = old[0].record_row
         else:
             original, keep, old = sha256(before), before, []
+            found = read(plan.root / record) if record else None
+            row = row_of(found, path) if found is not None else None  # given back as is by revert
         applied_here = [
             specs[i] for i, r in results.items() if r.status == Status.APPLIED and path in r.files and i in specs
         ]
         mine = {s.id for s in applied_here}
         entries = entries_after([e for e in old if e.patch not in mine], original, after)
         entries += [plan.entry(s, path, original, after, results[s.id].variant) for s in applied_here]
+        for e in entries:
+            e.record_row = row
         record = next((e.record for e in entries if e.record), None)
         writes.append(Write(path, before, after, entries, keep=keep, record=record))
     return writes
-
-
-def _commit(plan: RootPlan, planned: dict[str, Result]) -> tuple[list[Outcome], list[str]]:
-    """Under the root's lock: settle an interrupted run, re-read, re-plan (another process may have won), write.
-
-    A root where the plan found nothing to write and nothing was interrupted is reported
-    without taking the lock (nor creating the state folder): a read-only image that is
-    already patched verifies and re-applies cleanly.
-    """
-    root = plan.root
-    tx = Transaction(root)
-    relpaths = list(plan.files)
-    specs: list[Spec] = [t.spec for t in plan.targets]
-    try:
-        if not any(r.status == Status.APPLIED for r in planned.values()) and not tx.needs_recovery(
-            plan.manifest, relpaths
-        ):
-            return [_reported(t, planned[t.spec.id]) for t in plan.targets], []
-        tx.check_writable(relpaths, [plan.record_rel(s) for s in specs])
-        with StateDir(root).lock():
-            locked = RootPlan.build(root, plan.targets)
-            notes = tx.recover(locked.manifest, relpaths)
-            locked.reload()
-            results, final = locked.chain(specs)
-            if any(r.status.refused for r in results.values()):
-                return [_reported(t, results[t.spec.id], refused_elsewhere=True) for t in plan.targets], notes
-            writes = _writes(locked, results, final)
-            if writes:
-                tx.commit(writes, locked.manifest)
-    except OSError as exc:  # TransactionError included: the root cannot be written as planned
-        raise write_error(root, exc) from None
-    except KeyboardInterrupt:
-        raise Interrupted(root, tx.progress) from None
-    return [_reported(t, results[t.spec.id]) for t in plan.targets], notes
 
 
 def _reported(t: Target, r: Result, *, refused_elsewhere: bool = False) -> Outcome:

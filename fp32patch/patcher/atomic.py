@@ -64,7 +64,10 @@ def atomic_write(path: Path, data: bytes, *, mode: int | None = None, like: os.s
     as root, ownership follows ``like`` too. A symlink at ``path`` is replaced, never followed.
     """
     folder = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=folder)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         bits = mode if mode is not None else (stat.S_IMODE(like.st_mode) if like else 0o644 & ~umask())
         os.fchmod(fd, bits)
@@ -79,11 +82,14 @@ def atomic_write(path: Path, data: bytes, *, mode: int | None = None, like: os.s
         os.replace(tmp, path)
         step()  # a kill here leaves the new bytes, perhaps not yet durable in the folder
         fsync_dir(folder)
-    except BaseException:
+    except BaseException as exc:
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename != str(path):
+            # the file being replaced is what failed, whatever step (temp file, rename) said so
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
 
 

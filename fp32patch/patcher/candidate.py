@@ -9,14 +9,16 @@ are links or devices are never read.
 
 from __future__ import annotations
 
+import lzma
 import re
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from fp32patch.patcher.locate import checkout_names, find_distribution, locate, metadata_headers, normalize
+from fp32patch.patcher.locate import LocateError, checkout_names, find_distribution, locate, metadata_headers, normalize
 from fp32patch.patcher.model import Spec
 
 _SDIST_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar")
@@ -52,7 +54,21 @@ def read_candidate(path: Path, wanted: Iterable[str]) -> Candidate:
             return _tar_sdist(path, wanted)
         if name.endswith(".zip"):
             return _zip_sdist(path, wanted)
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
+    except (CandidateError, LocateError):
+        raise
+    # a damaged member shows only when read: bad deflate/bzip2/xz data, a CRC that does not match,
+    # a compression or an encryption zipfile cannot read
+    except (
+        zipfile.BadZipFile,
+        tarfile.TarError,
+        EOFError,
+        OSError,
+        zlib.error,
+        lzma.LZMAError,
+        NotImplementedError,
+        RuntimeError,
+        ValueError,
+    ) as exc:
         kind = "wheel" if name.endswith(".whl") else "sdist"
         raise CandidateError(f"{path}: cannot be read as a {kind}: {exc}") from None
     raise CandidateError(f"{path}: not a wheel (*.whl), an sdist (*.tar.gz, *.zip) or a folder")

@@ -52,6 +52,29 @@ class Entry:
     applied_at: str
     state: str = APPLIED  # PENDING or REVERTING while a transaction is writing
     tool_version: str = __version__
+    # the file's RECORD row (its text, no line ending) before it was first patched, so a revert
+    # gives back the row it found, not one computed from the bytes (None: no row, or an older record)
+    record_row: str | None = None
+
+
+# each field's JSON types: a manifest with another is refused, naming the field
+_TYPES: dict[str, tuple[type, ...]] = {
+    "patch": (str,),
+    "path": (str,),
+    "spec_sha256": (str,),
+    "distribution": (str,),
+    "version": (str, type(None)),
+    "variant": (str, type(None)),
+    "sha256_before": (str,),
+    "sha256_after": (str,),
+    "mode": (int,),
+    "record": (str, type(None)),
+    "applied_at": (str,),
+    "state": (str,),
+    "tool_version": (str,),
+    "record_row": (str, type(None)),
+}
+_JSON_NAMES = {str: "a string", int: "an integer", type(None): "null"}
 
 
 @dataclass
@@ -126,6 +149,11 @@ def safe_relpath(value: object, where: str) -> str:
     return value
 
 
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _sha(value: object, where: str) -> str:
     if not isinstance(value, str) or not _SHA_RE.match(value):
         raise ManifestError(f"{where}: expected a sha256 hex digest, got {value!r}")
@@ -137,6 +165,8 @@ def loads(raw: bytes, where: str) -> Manifest:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc}); it may be truncated or corrupted") from None
+    except RecursionError:
+        raise ManifestError(f"{where}: nested too deeply to be an fp32patch manifest") from None
     if not isinstance(data, dict) or data.get("tool") != "fp32patch":
         raise ManifestError(f"{where}: not an fp32patch manifest")
     written_by = str(data.get("tool_version", ""))
@@ -182,6 +212,11 @@ def _entry(e: object, at: str) -> Entry:
     missing = [n for n, f in known.items() if n not in e and f.default is MISSING]
     if missing:
         raise ManifestError(f"{at}: the field {missing[0]!r} is missing")
+    for name, value in e.items():
+        types = _TYPES[name]
+        if not isinstance(value, types) or isinstance(value, bool):
+            expected = " or ".join(_JSON_NAMES[t] for t in types)
+            raise ManifestError(f"{at}.{name}: expected {expected}, got {_short(value)}")
     entry = Entry(**e)
     safe_relpath(entry.path, f"{at}.path")
     if entry.record is not None:

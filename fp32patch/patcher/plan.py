@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.locate import Located, LocateError, check_root, locate, normalize
 from fp32patch.patcher.model import Spec, Status
-from fp32patch.patcher.report import Outcome, UsageError
+from fp32patch.patcher.report import Invocation, Outcome, UsageError
 from fp32patch.patcher.spec import SpecError, load_specs
 from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.transaction import TransactionError, describe_os_error
+from fp32patch.patcher.transaction import RollbackError, Transaction, TransactionError, describe_os_error
 
 if TYPE_CHECKING:
     from fp32patch.patcher.transform import Result
@@ -169,15 +169,38 @@ def load_manifest(root: Path) -> mf.Manifest:
     except mf.ManifestError as exc:
         raise UsageError(
             f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over: files patched under it "
-            "then read as unrecorded, and `fp32patch revert --against WHEEL|SDIST|DIR` (the installed release) "
-            "restores them, as reinstalling the package does"
+            f"then read as unrecorded, and `{Invocation((root,)).command('revert')} --against WHEEL|SDIST|DIR` (the "
+            "installed release) restores them, as reinstalling the package does"
         ) from None
 
 
-def write_error(root: Path, exc: OSError) -> UsageError:
-    """A root that cannot be written is bad input: exit 2, with what and where."""
+def settle(tx: Transaction, relpaths: list[str], inv: Invocation) -> list[str]:
+    """``tx.recover`` under the lock, with the manifest read now; a failure there is named as such
+    (the interrupted run's intent stays recorded), never "nothing was changed"."""
+    try:
+        return tx.recover(load_manifest(tx.root), relpaths)
+    except OSError as exc:
+        text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
+        raise UsageError(
+            f"cannot settle the interrupted fp32patch run in {tx.root}: {text}. Its intent stays recorded: "
+            f"once that is fixed, `{inv.command('apply')}` or `{inv.command('revert')}` settles it"
+        ) from None
+
+
+def write_error(root: Path, exc: OSError, inv: Invocation | None = None, roots: int = 1) -> UsageError:
+    """A root that cannot be written is bad input: exit 2, with the file and the error that failed, and
+    what was left: nothing changed, or (a rollback that failed too) what the next command settles."""
+    if isinstance(exc, RollbackError):
+        inv = inv or Invocation((root,))
+        first = f"{exc.cause}; " if exc.cause else ""
+        return UsageError(
+            f"cannot write in {root}: {first}and the rollback could not put back {'; '.join(exc.failed)}. Every "
+            f"file is whole (its old or new bytes) and the run's intent is recorded: `{inv.command('revert')}` or "
+            f"`{inv.command('apply')}` settles it"
+        )
     text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
-    return UsageError(f"cannot write in {root}: {text}; nothing was changed")
+    anywhere = " in any of the import roots" if roots > 1 else ""
+    return UsageError(f"cannot write in {root}: {text}; nothing was changed{anywhere}")
 
 
 def read(path: Path) -> bytes | None:

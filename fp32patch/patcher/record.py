@@ -41,6 +41,41 @@ def rewrite_record(record: bytes, relpath: str, data: bytes) -> bytes | None:
     return "".join(lines).encode("utf-8") if hit else None
 
 
+def row_of(record: bytes, relpath: str) -> str | None:
+    """``relpath``'s RECORD row as it is written (no line ending), or None if it has none."""
+    try:
+        lines = record.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        return None
+    for line in lines:
+        try:
+            row = next(csv.reader([line]), [])
+        except csv.Error:
+            continue
+        if row and row[0] == relpath:
+            return line
+    return None
+
+
+def put_row(record: bytes, relpath: str, text: str) -> bytes | None:
+    """RECORD with ``relpath``'s row set back to ``text`` exactly (as ``row_of`` read it); None if it has no row."""
+    try:
+        lines = record.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return None
+    hit = False
+    for i, line in enumerate(lines):
+        body = line.rstrip("\r\n")
+        try:
+            row = next(csv.reader([body]), [])
+        except csv.Error:
+            continue
+        if row and row[0] == relpath:
+            lines[i] = text + line[len(body) :]
+            hit = True
+    return "".join(lines).encode("utf-8") if hit else None
+
+
 def record_row_hash(record: bytes, relpath: str) -> str | None:
     """The hash RECORD gives ``relpath`` (``sha256=...``), or None if it has no such row."""
     try:

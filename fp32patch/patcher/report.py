@@ -25,18 +25,21 @@ class UsageError(ValueError):
 
 class Interrupted(Exception):
     """Ctrl-C while a root was being written: which root, and how far its transaction had got
-    (``Transaction.progress``)."""
+    (``Transaction.progress``); every root of the run committed before it is undone."""
 
-    def __init__(self, root: Path, progress: str):
+    def __init__(self, root: Path, progress: str, inv: Invocation | None = None):
         super().__init__(str(root))
         self.root, self.progress = root, progress
+        self.inv = inv or Invocation((root,))
 
-    def note(self, finished: int) -> str:
+    def note(self, finished: int = 0) -> str:
+        settle = f"`{self.inv.command('revert')}` or `{self.inv.command('apply')}`"
         what = {
             "none": f"before this run wrote anything in {self.root}",
-            "rolled-back": f"while writing {self.root}: rolled back, every file there has its bytes from before this run",
+            "rolled-back": f"while writing {self.root}: rolled back, every file of this run has its bytes from before it",
+            "undone": f"while writing {self.root}: rolled back, every file of this run has its bytes from before it",
             "writing": f"while writing {self.root}, and its roll-back was cut short: every file there is whole (its old "
-            "or new bytes); the next fp32patch apply or revert settles the rest",
+            f"or new bytes) and the run's intent is recorded; {settle} settles the rest",
             "done": f"just after {self.root} was written: its changes stay",
         }[self.progress]
         before = f"; {finished} import root(s) finished before it keep their changes" if finished else ""

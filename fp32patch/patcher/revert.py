@@ -17,6 +17,8 @@ the release's file has the recorded sha256.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from fp32patch.patcher.plan import (
     load_manifest,
     read,
     select_specs,
+    settle,
     write_error,
 )
 from fp32patch.patcher.plan import (
@@ -51,7 +54,15 @@ from fp32patch.patcher.report import (
 )
 from fp32patch.patcher.spec import load_specs
 from fp32patch.patcher.state import StateDir, sha256
-from fp32patch.patcher.transaction import Transaction, TransactionError, Write
+from fp32patch.patcher.status import gone_message
+from fp32patch.patcher.transaction import (
+    Transaction,
+    TransactionError,
+    Write,
+    commit_all,
+    describe_os_error,
+    locked,
+)
 
 
 class _Refused(Exception):
@@ -107,18 +118,57 @@ def revert(
     outcomes: list[Outcome] = []
     notes: list[str] = []
     refused = False
-    for finished, (root, (env, ts)) in enumerate(found.items()):
-        try:
-            done, more, bad = _revert_root(root, env, ts, ids, specs, force, inv, stock)
-        except Interrupted as stop:
-            return Report("revert", outcomes, EXIT_INTERRUPTED, notes=[*notes, stop.note(finished)])
-        outcomes += done
-        notes += more
-        refused |= bad
+    # First each root read without its lock: one with nothing to revert is answered there; an unrecorded
+    # refusal is answered there only where the root cannot be locked to read it again.
+    every = [_Root(root, env, ts, ids, specs, force, inv, stock) for root, (env, ts) in found.items()]
+    work: list[_Root] = []
+    for r in every:
+        answer = r.without_lock()
+        if answer is None:
+            work.append(r)
+            continue
+        r.outcomes = answer[0]
+        notes += answer[1]
+        refused |= answer[2]
+    # Then, under the lock of every root that reverts, each judged again, and all roots written or none.
+    mine = [r for r in work if r.writable()]
+    try:
+        with locked(r.root for r in mine):
+            for r in work:
+                if r in mine:
+                    r.prepare()
+                else:
+                    r.refuse_unwritable()
+                notes += r.notes
+                refused |= r.refused
+            outcomes = [o for r in every for o in r.outcomes]  # in the order the roots were given
+            if refused:
+                for o in outcomes:
+                    if o.status == Status.REVERTED:  # planned, not written: it is still what it was
+                        o.status = o.details.pop("was", Status.APPLIED)
+                        o.message = "not reverted: a file in this run was refused"
+            else:
+                unwritable = next((r for r in work if r not in mine), None)
+                if unwritable is not None:
+                    raise write_error(unwritable.root, unwritable.why, inv, len(found))
+                runs = [(r.tx, r.writes, r.manifest) for r in mine if r.writes]
+                for (tx, _, _), displaced in zip(runs, commit_all(runs), strict=True):
+                    next(r for r in mine if r.tx is tx).displaced(displaced)
+    except OSError as exc:
+        failed = next((r for r in mine if r.tx.progress not in ("undone", "done", "none")), None)
+        raise write_error((failed or (mine or work)[0]).root, exc, inv, len(found)) from None
+    except KeyboardInterrupt:
+        outcomes = [o for r in every for o in r.outcomes]
+        failed = next((r for r in mine if r.tx.progress not in ("undone", "done")), None)
+        where = failed.root if failed else work[0].root if work else Path(".")
+        stop = Interrupted(where, failed.tx.progress if failed else "none", inv)
+        return Report("revert", outcomes, EXIT_INTERRUPTED, notes=[*notes, stop.note(0)])
+    for o in outcomes:
+        o.details.pop("was", None)
     if not outcomes:
-        return Report("revert", [], EXIT_OK, notes=["nothing to revert: no patched target found"])
+        return Report("revert", [], EXIT_OK, notes=[*notes, "nothing to revert: no patched target found"])
     if refused:
-        notes.append("nothing was written in a root with a refusal")
+        notes.append("nothing was written: a revert changes every import root of its run, or none")
         if any(o.status == Status.DRIFTED for o in outcomes):
             notes.append("--force reverts a drifted file (its bytes are kept)")
         if any(o.status == Status.UNRECORDED for o in outcomes):
@@ -164,77 +214,161 @@ def _outcome(root: Path, env: Path | None, t: Target | None, entry: mf.Entry, st
     return t.outcome(status, message=message) if t is not None else entry_outcome(root, env, entry, status, message)
 
 
-def _revert_root(
-    root: Path,
-    env: Path | None,
-    ts: list[Target],
-    ids: Sequence[str],
-    specs: dict[str, Spec],
-    force: bool,
-    inv: Invocation,
-    stock: Stock | None,
-) -> tuple[list[Outcome], list[str], bool]:
-    state = StateDir(root)
-    peek = load_manifest(root)
-    wanted = list(ids) or list({**dict.fromkeys(e.patch for e in peek.entries), **{t.spec.id: None for t in ts}})
-    by_id = {t.spec.id: t for t in ts}
-    tx = Transaction(root)
-    relpaths = [p for t in ts for p in t.spec.target.paths]
-    recorded = {e.patch for e in peek.entries}
-    # an interrupted run's entries wait in its intents until the run is settled
-    found = RootPlan.build(root, ts, peek)
-    loose = _unrecorded(found, wanted, recorded | {e.patch for i in peek.intents for e in i.previous})
-    if loose:  # refused, if it is, before anything is locked or created
-        if stock is None:
-            judged = [unrecorded.verdict(found, t, inv, {"recorded": False}) for t in loose]
+class _Root:
+    """One import root of a revert: read without the lock, then planned under it, then committed with the rest."""
+
+    def __init__(self, root, env, ts, ids, specs, force, inv, stock):
+        self.root, self.env, self.ts, self.specs, self.force, self.inv, self.stock = (
+            root,
+            env,
+            ts,
+            specs,
+            force,
+            inv,
+            stock,
+        )
+        self.ids = list(ids)
+        self.state = StateDir(root)
+        self.tx = Transaction(root)
+        self.by_id = {t.spec.id: t for t in ts}
+        self.relpaths = [p for t in ts for p in t.spec.target.paths]
+        self.outcomes: list[Outcome] = []
+        self.notes: list[str] = []
+        self.refused = False
+        self.writes: list[Write] = []
+        self.manifest = mf.Manifest()
+        self.displaced_for: dict[str, set[str]] = {}
+        self.why: OSError | None = None
+        self.early: tuple[list[Outcome], list[str], bool] | None = None
+
+    def _wanted(self, manifest: mf.Manifest) -> list[str]:
+        by_entry = dict.fromkeys(e.patch for e in manifest.entries)
+        return self.ids or list({**by_entry, **{t.spec.id: None for t in self.ts}})
+
+    def _loose(self, manifest: mf.Manifest) -> tuple[RootPlan, list[Target], set[str]]:
+        recorded = {e.patch for e in manifest.entries}
+        # an interrupted run's entries wait in its intents until the run is settled
+        found = RootPlan.build(self.root, self.ts, manifest)
+        held = recorded | {e.patch for i in manifest.intents for e in i.previous}
+        return found, _unrecorded(found, self._wanted(manifest), held), recorded
+
+    def _judge_loose(self, found: RootPlan, loose: list[Target], recorded: set[str], wanted: list[str]):
+        """The unrecorded patches' verdicts; a refusal holds the others of the root too."""
+        if self.stock is None:
+            judged = [unrecorded.verdict(found, t, self.inv, {"recorded": False}) for t in loose]
         else:
-            judged, _ = _restore(found, loose, wanted, stock, inv)
-        if any(o.status == Status.UNRECORDED for o in judged):
-            held = "not reverted: another file in this root was refused"
-            for o in judged:
-                if o.status == Status.REVERTED:
-                    o.status, o.message = Status.UNRECORDED, held
-            others = [by_id[i].outcome(Status.APPLIED, message=held) for i in wanted if i in recorded and i in by_id]
-            return judged + others, [], True
-    if not (recorded & set(wanted)) and not loose and not tx.needs_recovery(peek, relpaths):
-        why = "no fp32patch record in this root" if not state.exists() else "not recorded as patched in this root"
-        return [by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in by_id], [], False
-    try:
-        ours = [e.path for e in peek.entries if inside(root, root / e.path)]
-        tx.check_writable(relpaths + ours, [e.record for e in peek.entries])
-        with state.lock():
-            manifest = load_manifest(root)
-            notes = tx.recover(manifest, relpaths)
-            skip = {t.spec.id for t in loose}
-            outcomes, writes, displaced_for = _plan(
-                root, env, manifest, [i for i in wanted if i not in skip], by_id, specs, force, state, inv, stock
+            judged, _ = _restore(found, loose, wanted, self.stock, self.inv)
+        if not any(o.status == Status.UNRECORDED for o in judged):
+            return None
+        held = "not reverted: another file in this root was refused"
+        for o in judged:
+            if o.status == Status.REVERTED:
+                o.status, o.message = Status.UNRECORDED, held
+        others = [
+            self.by_id[i].outcome(Status.APPLIED, message=held) for i in wanted if i in recorded and i in self.by_id
+        ]
+        return judged + others
+
+    def without_lock(self) -> tuple[list[Outcome], list[str], bool] | None:
+        """The answer for a root with nothing to revert (None: it needs its lock)."""
+        peek = load_manifest(self.root)
+        wanted = self._wanted(peek)
+        found, loose, recorded = self._loose(peek)
+        if loose:
+            self.early = self._judge_loose(found, loose, recorded, wanted)
+            if self.early is not None:
+                self.early = (self.early, [], True)
+                return None  # confirmed under the lock when the root can be locked
+        if not (recorded & set(wanted)) and not loose and not self.tx.needs_recovery(peek, self.relpaths):
+            notes = []
+            if not recorded and os.path.isdir(self.state.path):  # a state folder with nothing of ours: a run cut short
+                with contextlib.suppress(OSError), self.state.lock():
+                    if not self.tx.needs_recovery(load_manifest(self.root), self.relpaths):
+                        self.state.touch()  # releasing the lock tidies it away
+                if not os.path.lexists(self.state.path):
+                    notes.append(
+                        f"removed {self.state.path}: an interrupted fp32patch run left it, with nothing recorded in it"
+                    )
+            why = (
+                "no fp32patch record in this root"
+                if not self.state.exists()
+                else "not recorded as patched in this root"
             )
-            if loose and stock is not None:
-                more, restores = _restore(RootPlan.build(root, ts, manifest), loose, wanted, stock, inv)
-                outcomes += more
-                writes += [w for w in restores if w.relpath not in {x.relpath for x in writes}]
-            if any(o.status in (Status.DRIFTED, Status.ERROR, Status.UNRECORDED) for o in outcomes):
-                for o in outcomes:
-                    if o.status == Status.REVERTED:  # planned, not written: it is still what it was
-                        was = Status.UNRECORDED if o.patch in skip else Status.APPLIED
-                        o.status = Status.DRIFTED if o.details.get("forced") else was
-                        o.message = "not reverted: another file in this root was refused"
-                return outcomes, notes, True
-            displaced = tx.commit(writes, manifest) if writes else []
-            for o in outcomes:
-                mine = [
-                    p
-                    for w, p in zip([w for w in writes if w.displace], displaced, strict=True)
-                    if w.relpath in displaced_for.get(o.patch, ())
-                ]
-                if mine:
-                    o.details["displaced"] = [str(p) for p in mine]
-                    o.message += f"; the changed file is kept at {', '.join(map(str, mine))}"
-            return outcomes, notes, False
-    except OSError as exc:
-        raise write_error(root, exc) from None
-    except KeyboardInterrupt:
-        raise Interrupted(root, tx.progress) from None
+            return (
+                [self.by_id[i].outcome(Status.NOT_APPLIED, message=why) for i in wanted if i in self.by_id],
+                notes,
+                False,
+            )
+        return None
+
+    def writable(self) -> bool:
+        peek = load_manifest(self.root)
+        ours = [e.path for e in peek.entries if inside(self.root, self.root / e.path)]
+        try:
+            self.tx.check_writable(self.relpaths + ours, [e.record for e in peek.entries])
+        except OSError as exc:
+            self.why = exc
+            return False
+        return True
+
+    def refuse_unwritable(self) -> None:
+        """A root that cannot be locked: its refusal read without the lock stands (else the run fails, exit 2)."""
+        if self.early is not None:
+            self.outcomes, self.notes, self.refused = self.early
+            return
+        why = f"not reverted: cannot write in {self.root}: {describe_os_error(self.why) if self.why else ''}"
+        peek = load_manifest(self.root)
+        self.outcomes = [
+            self.by_id[i].outcome(Status.APPLIED, message=why) for i in self._wanted(peek) if i in self.by_id
+        ]
+
+    def prepare(self) -> None:
+        """Under the lock: settle an interrupted run, then judge and plan every file of this root."""
+        self.notes = settle(self.tx, self.relpaths, self.inv)
+        manifest = self.manifest = load_manifest(self.root)
+        wanted = self._wanted(manifest)
+        found, loose, recorded = self._loose(manifest)
+        if loose:
+            judged = self._judge_loose(found, loose, recorded, wanted)
+            if judged is not None:
+                self.state.untouch()  # refused: what the state folder holds stays
+                self.outcomes, self.refused = judged, True
+                return
+        skip = {t.spec.id for t in loose}
+        outcomes, writes, self.displaced_for = _plan(
+            self.root,
+            self.env,
+            manifest,
+            [i for i in wanted if i not in skip],
+            self.by_id,
+            self.specs,
+            self.force,
+            self.state,
+            self.inv,
+            self.stock,
+        )
+        if loose and self.stock is not None:
+            more, restores = _restore(RootPlan.build(self.root, self.ts, manifest), loose, wanted, self.stock, self.inv)
+            for o in more:
+                o.details["was"] = Status.UNRECORDED
+            outcomes += more
+            writes += [w for w in restores if w.relpath not in {x.relpath for x in writes}]
+        for o in outcomes:
+            if o.status == Status.REVERTED and o.details.get("forced"):
+                o.details["was"] = Status.DRIFTED
+        self.outcomes, self.writes = outcomes, writes
+        self.refused = any(o.status in (Status.DRIFTED, Status.ERROR, Status.UNRECORDED) for o in outcomes)
+
+    def displaced(self, paths: list[Path]) -> None:
+        for o in self.outcomes:
+            mine = [
+                p
+                for w, p in zip([w for w in self.writes if w.displace], paths, strict=True)
+                if w.relpath in self.displaced_for.get(o.patch, ())
+            ]
+            if mine:
+                o.details["displaced"] = [str(p) for p in mine]
+                o.message += f"; the changed file is kept at {', '.join(map(str, mine))}"
 
 
 def _unrecorded(plan: RootPlan, wanted: list[str], recorded: set[str]) -> list[Target]:
@@ -321,10 +455,17 @@ def _plan(
 
     verdicts: dict[str, tuple[Status, str, bool]] = {}
     originals: dict[str, bytes | None] = {}
+    gone = {p for p, data in files.items() if data is None}
     for path, data in files.items():
         on = manifest.on(path)
         lead = on[0]
         current = sha256(data) if data is not None else None
+        if path in gone:  # deleted since it was patched: nothing to restore, and nothing is claimed
+            originals[path] = None
+            for e in on:
+                if not force:
+                    verdicts[e.patch] = (Status.DRIFTED, gone_message(root, [path], e.patch, inv), False)
+            continue
         if current == lead.sha256_before:
             originals[path] = data
             continue
@@ -367,6 +508,9 @@ def _plan(
     writes: list[Write] = []
     displaced_for: dict[str, set[str]] = {}
     for path, data in files.items():
+        if path in gone:  # only its record goes
+            writes.append(Write(path, None, None, [], record=None))
+            continue
         after = final.get(path)
         if data is None or after is None:
             continue
@@ -374,9 +518,9 @@ def _plan(
         entries = entries_after([e for e in manifest.on(path) if e.patch in keep], lead.sha256_before, after)
         forced = sha256(data) not in (lead.sha256_after, lead.sha256_before)
         record = next((e.record for e in manifest.on(path) if e.record), None)
-        writes.append(
-            Write(path, data, after, entries if after != originals[path] else [], record=record, displace=forced)
-        )
+        back = after == originals[path]  # the original again: its RECORD row as it was found
+        row = lead.record_row if back else None
+        writes.append(Write(path, data, after, [] if back else entries, record=record, displace=forced, record_row=row))
         if forced:
             for e in manifest.on(path):
                 displaced_for.setdefault(e.patch, set()).add(path)
@@ -385,7 +529,11 @@ def _plan(
         status, message, forced = verdicts.get(i, (Status.REVERTED, "", False))
         if status == Status.REVERTED:
             mine = [e for e in manifest.entries if e.patch == i]
-            if all(sha256(files[e.path] or b"") == e.sha256_before for e in mine if e.path in files):
+            lost = [e.path for e in mine if e.path in gone]
+            if lost and all(e.path in gone for e in mine):
+                status = Status.NOT_APPLIED
+                message = f"{', '.join(str(root / p) for p in lost)} is gone (deleted after patching): nothing to restore; record cleared"
+            elif all(sha256(files[e.path] or b"") == e.sha256_before for e in mine if e.path in files):
                 status, message = Status.NOT_APPLIED, "already the original bytes; record cleared"
             elif keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}}:
                 others = sorted(keep & {e.patch for e in manifest.entries if e.path in {m.path for m in mine}})
@@ -394,6 +542,10 @@ def _plan(
                 )
             else:
                 message = f"restored the original bytes (sha256 {entry.sha256_before[:12]})"
+            if lost and status == Status.REVERTED:
+                message += (
+                    f"; {', '.join(str(root / p) for p in lost)} is gone (deleted after patching): record cleared"
+                )
         out = _outcome(root, env, by_id.get(i), entry, status, message)
         out.details["forced"] = forced
         outcomes.append(out)

@@ -261,6 +261,8 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{source}: nested too deeply to be a spec") from None
     top = _Fields(source, "", data, _TOP_FIELDS)
     schema = top.get("schema", int, required=True)
     if schema != SCHEMA_VERSION:

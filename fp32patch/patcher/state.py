@@ -21,6 +21,9 @@ from pathlib import Path
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_follow, umask
 
+# state folders this process made or wrote (by path: the lock and the writes use their own StateDir)
+_touched: set[str] = set()
+
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -56,6 +59,7 @@ class StateDir:
             bits = stat.S_IMODE(self.root.stat().st_mode) & 0o755
             with contextlib.suppress(FileExistsError):  # another process made it first
                 folder.mkdir(mode=bits)
+                self.touch()
             self.real_dir(folder)
 
     def _file_bits(self) -> int:
@@ -72,8 +76,37 @@ class StateDir:
         try:
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            try:
+                self.tidy()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    def touch(self) -> None:
+        """This process made the folder or wrote its manifest (or found it holds nothing of ours): when
+        nothing is recorded here as the lock is released, the folder goes."""
+        _touched.add(str(self.path))
+
+    def untouch(self) -> None:
+        """Keep the folder as it is (a refusal: its kept originals may be the way back)."""
+        _touched.discard(str(self.path))
+
+    def tidy(self) -> None:
+        """The whole folder goes when nothing of ours is recorded here and this process made the folder
+        or wrote its manifest (call under the lock): a root with nothing of ours in it has no state folder,
+        whether the run was cut short (Ctrl-C) or settled what a killed one left. A folder this process
+        only looked at stays as it was: a command that refuses writes nothing."""
+        if str(self.path) not in _touched:
+            return
+        _touched.discard(str(self.path))
+        try:
+            manifest = mf.loads(read_no_follow(self.manifest_path), str(self.manifest_path))
+        except FileNotFoundError:
+            manifest = mf.Manifest()
+        except (OSError, mf.ManifestError):
+            return  # not ours to judge: the next command reports it
+        if not (manifest.entries or manifest.intents):
+            self.remove_if_unused(manifest)
 
     def _locked_fd(self) -> int:
         # A full revert removes the state folder, lock included, while it holds the lock: a process
@@ -138,10 +171,12 @@ class StateDir:
             return None
 
     def save(self, manifest: mf.Manifest) -> None:
+        self.touch()
         atomic_write(self.manifest_path, manifest.dumps(), mode=self._file_bits())
 
     def restore_manifest(self, raw: bytes | None) -> None:
         """Put back the manifest as it was (``None``: there was none)."""
+        self.touch()
         if raw is None:
             with contextlib.suppress(FileNotFoundError):
                 self.manifest_path.unlink()

@@ -61,7 +61,10 @@ def classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
     state = _interrupted(plan, t)
     if state is not None:
         what = "apply" if state == "pending" else "revert"
-        note = f"an fp32patch {what} was interrupted here; the next apply or revert settles it"
+        note = (
+            f"an fp32patch {what} was interrupted here; `{inv.command('apply')}` or `{inv.command('revert')}` "
+            "settles it"
+        )
         outcome.message = f"{outcome.message}; {note}" if outcome.message else note
         outcome.details["interrupted"] = state
     return outcome
@@ -110,6 +113,11 @@ def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
                 Status.ORIGINAL_LOST, variant=lead.variant if lead else None, details=details, message=lost
             )
         return t.outcome(Status.APPLIED, variant=lead.variant if lead else None, details=details)
+    gone = [p for p, v in verdicts.items() if v == "gone"]
+    if gone:
+        details["missing"] = gone
+        message = gone_message(plan.root, gone, t.spec.id, inv)
+        return t.outcome(Status.DRIFTED, variant=entries[gone[0]].variant, details=details, message=message)
     drifted = [p for p, v in verdicts.items() if v == "drifted"]
     if drifted:
         p = drifted[0]
@@ -132,6 +140,30 @@ def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
     return t.outcome(Status.NOT_APPLIED, details=details, message=message)
 
 
+def gone_message(root: Path, paths: Sequence[str], patch: str, inv: Invocation) -> str:
+    where = ", ".join(str(root / p) for p in paths)
+    return (
+        f"{where} was patched and recorded, and is gone (deleted after patching); reinstall the package to bring "
+        f"it back, or `{inv.command('revert', '--force', patch=patch)}` clears the record (nothing to restore there)"
+    )
+
+
+def missing(t: Target, inv: Invocation, manifests: dict[Path, mf.Manifest]) -> Outcome:
+    """A spec not found in a root: ``not-installed``, unless this root records that it patched its files
+    (they were deleted since): a recorded file is never ``not-installed``."""
+    root = t.searched
+    if root not in manifests:
+        manifests[root] = load_manifest(root) if StateDir(root).exists() else mf.Manifest()
+    entries = [e for e in manifests[root].entries if e.patch == t.spec.id and not (root / e.path).exists()]
+    if not entries:
+        return t.not_installed()
+    details = {"recorded": True, "missing": [e.path for e in entries], "sha256_after": entries[0].sha256_after}
+    message = gone_message(root, [e.path for e in entries], t.spec.id, inv)
+    out = entry_outcome(root, t.env, entries[0], Status.DRIFTED, message, details=details)
+    out.target, out.variant = t.spec.target.label, entries[0].variant
+    return out
+
+
 def _lost_original(plan: RootPlan, entries, t: Target, inv: Invocation) -> str:
     """Why a revert would refuse (a kept original missing or altered), or ""."""
     state = StateDir(plan.root)
@@ -149,9 +181,9 @@ def _lost_original(plan: RootPlan, entries, t: Target, inv: Invocation) -> str:
 
 
 def _file_verdict(data: bytes | None, entry: mf.Entry, spec_id: str) -> str:
-    """ "ok" (the recorded bytes), "drifted" (our markers, other bytes), or "replaced"."""
+    """ "ok" (the recorded bytes), "drifted" (our markers, other bytes), "gone", or "replaced"."""
     if data is None:
-        return "replaced"
+        return "gone"
     current = sha256(data)
     if current == entry.sha256_after:
         return "ok"
@@ -188,7 +220,8 @@ def status(
     inv = Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids))
     specs = select_specs(ids, spec_dir)
     ts = targets(specs, roots, envs)
-    outcomes: list[Outcome] = [t.not_installed() for t in ts if t.located is None]
+    manifests: dict[Path, mf.Manifest] = {}
+    outcomes: list[Outcome] = [missing(t, inv, manifests) for t in ts if t.located is None]
     plans: dict[Path, RootPlan] = {}
     for root, group in by_root(ts).items():
         plans[root] = plan = RootPlan.build(root, group)

@@ -22,17 +22,28 @@ import contextlib
 import copy
 import errno
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_follow, stale_temps, step
 from fp32patch.patcher.bytecode import refresh_bytecode
-from fp32patch.patcher.record import record_hash, rewrite_record
+from fp32patch.patcher.record import put_row, record_hash, rewrite_record
 from fp32patch.patcher.state import StateDir, sha256
 
-__all__ = ["StateDir", "Transaction", "TransactionError", "Write", "describe_os_error", "record_hash", "sha256"]
+__all__ = [
+    "RollbackError",
+    "StateDir",
+    "Transaction",
+    "TransactionError",
+    "Write",
+    "commit_all",
+    "describe_os_error",
+    "locked",
+    "record_hash",
+    "sha256",
+]
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -40,11 +51,40 @@ def describe_os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc}{where}"
 
 
+class RollbackError(TransactionError):
+    """A write failed and putting back what it had changed failed too: what failed first, and what is left."""
+
+    def __init__(self, cause: BaseException | str | None, failed: list[str]):
+        if isinstance(cause, RollbackError):
+            cause = cause.cause
+        elif isinstance(cause, OSError):
+            cause = describe_os_error(cause)
+        elif isinstance(cause, KeyboardInterrupt):
+            cause = "interrupted (Ctrl-C)"
+        elif isinstance(cause, BaseException):
+            cause = f"{type(cause).__name__}: {cause}"
+        self.cause: str = cause or ""
+        self.failed = failed
+        super().__init__(errno.EIO, "; ".join(failed))
+
+
+def _bytes_of(path: Path) -> bytes | None:
+    try:
+        return read_no_follow(path)
+    except OSError:
+        return None
+
+
 def _read_only_fs(folder: Path) -> bool:
     try:
         return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+def _row_found(entries: Iterable[mf.Entry], digest: str | None) -> str | None:
+    """The RECORD row found before patching, when ``digest`` is the original's (None: compute it)."""
+    return next((e.record_row for e in entries if e.sha256_before == digest and e.record_row is not None), None)
 
 
 # ---------------------------------------------------------------- the transaction
@@ -60,20 +100,23 @@ class Write:
     """
 
     relpath: str
-    before: bytes
-    after: bytes
+    before: bytes | None  # None (with ``after`` None): the file is gone and only its entries change
+    after: bytes | None
     entries: list[mf.Entry]
     keep: bytes | None = None  # the file's original bytes, to keep for revert (None: kept already)
     record: str | None = None  # dist-info RECORD (relative to root) to keep in step
     displace: bool = False  # keep the bytes being overwritten (forced revert)
+    record_row: str | None = None  # the RECORD row to give ``after`` as is (a revert: the row found); None: computed
 
 
 class Transaction:
     def __init__(self, root: Path):
         self.root = root
         self.state = StateDir(root)
-        # how far ``commit`` got, for a run cut short (Ctrl-C): "none", "writing", "rolled-back", "done"
+        # how far ``commit`` got, for a run cut short (Ctrl-C): "none", "writing", "rolled-back", "done",
+        # and "undone" (a finished commit put back because another root of the run failed)
         self.progress = "none"
+        self._committed: tuple[list, bytes | None, list[str]] = ([], None, [])
 
     # -- paths: every file written or read back must be inside the root
 
@@ -108,8 +151,11 @@ class Transaction:
         """
         folders = {self.state.path if self.state.path.is_dir() else self.root}
         folders |= {self.target(r).parent for r in relpaths}
+        folders |= {f / "__pycache__" for f in list(folders) if (f / "__pycache__").is_dir()}  # bytecode is refreshed
         folders |= {(self.root / r).parent for r in records if r is not None}
         for folder in sorted(folders):
+            if not folder.exists():  # a file gone with its folder: nothing is written there
+                continue
             if not os.access(folder, os.W_OK | os.X_OK):
                 if _read_only_fs(folder):
                     raise TransactionError(errno.EROFS, f"{folder}: read-only file system")
@@ -125,8 +171,9 @@ class Transaction:
         except FileNotFoundError:
             return None
 
-    def _sync_record(self, record_rel: str | None, relpath: str, data: bytes) -> bytes | None:
-        """Set ``relpath``'s RECORD row to ``data``; returns the RECORD's previous bytes (None: untouched)."""
+    def _sync_record(self, record_rel: str | None, relpath: str, data: bytes, row: str | None = None) -> bytes | None:
+        """Set ``relpath``'s RECORD row to ``data``'s hash and size, or to ``row`` exactly when given (the row
+        found before patching, for bytes given back); returns the RECORD's previous bytes (None: untouched)."""
         record = self._record(record_rel)
         if record is None:
             return None
@@ -135,7 +182,7 @@ class Transaction:
         except FileNotFoundError:
             return None
         # RECORD rows are relative to the folder that holds the .dist-info: the root
-        new = rewrite_record(current, relpath, data)
+        new = put_row(current, relpath, row) if row is not None else rewrite_record(current, relpath, data)
         if new is None or new == current:
             return None
         atomic_write(record, new, like=record.stat())
@@ -186,6 +233,7 @@ class Transaction:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         if stale:
+            self.state.touch()  # a run cut short was here: with nothing recorded, its folder goes too
             notes.append(
                 f"removed {len(stale)} temporary file(s) left by an interrupted fp32patch run: "
                 + ", ".join(str(p) for p in stale)
@@ -214,9 +262,10 @@ class Transaction:
         path, data = self._current(intent.path)
         current = sha256(data) if data is not None else None
         if path is not None and data is not None and current in (intent.sha256_to, intent.sha256_from):
-            for entry in [*manifest.on(intent.path), *intent.previous]:
+            every = [*manifest.on(intent.path), *intent.previous]
+            for entry in every:
                 if entry.record:
-                    self._sync_record(entry.record, intent.path, data)
+                    self._sync_record(entry.record, intent.path, data, _row_found(every, current))
                     break
             refresh_bytecode(path)
         if current == intent.sha256_from and intent.sha256_from != intent.sha256_to:
@@ -235,7 +284,7 @@ class Transaction:
         path, data = self._current(entry.path)
         current = sha256(data) if data is not None else None
         if path is not None and data is not None and current in (entry.sha256_after, entry.sha256_before):
-            self._sync_record(entry.record, entry.path, data)
+            self._sync_record(entry.record, entry.path, data, _row_found([entry], current))
             refresh_bytecode(path)
             if current == entry.sha256_after:
                 entry.state = mf.APPLIED
@@ -258,7 +307,11 @@ class Transaction:
         for w in writes:
             path = self.target(w.relpath)
             self._record(w.record)  # refused now, before anything is written, if it is a symlink
-            if path.read_bytes() != w.before:
+            try:
+                now: bytes | None = path.read_bytes()
+            except FileNotFoundError:
+                now = None
+            if now != w.before:
                 raise TransactionError(errno.EAGAIN, f"{path} changed while fp32patch was working; run it again")
             planned.append((w, path))
 
@@ -275,6 +328,9 @@ class Transaction:
                         kept_now.append(digest)
             step()
             for w in writes:  # 2. intent: the file's bytes before and after, its entries before and after
+                if w.before is None:  # a file that is gone: no write to settle, only its entries go
+                    manifest.replace_path(w.relpath, w.entries)
+                    continue
                 manifest.intents.append(
                     mf.Intent(
                         w.relpath, sha256(w.before), sha256(w.after), [copy.copy(e) for e in manifest.on(w.relpath)]
@@ -286,13 +342,13 @@ class Transaction:
             self.state.save(manifest)
             step()
             for w, path in planned:  # 3. the files themselves
-                if w.after == w.before:
+                if w.after == w.before or w.after is None:
                     continue
                 st = path.stat()
                 # noted before the write: a Ctrl-C just after the replace must still put the file back
                 done.append((w, path, st, self._record_now(w.record)))
                 atomic_write(path, w.after, like=st)
-                self._sync_record(w.record, w.relpath, w.after)
+                self._sync_record(w.record, w.relpath, w.after, w.record_row)
                 refresh_bytecode(path)
                 step()
             for w in writes:  # 4. settle the record (a failure here still undoes the files)
@@ -300,36 +356,91 @@ class Transaction:
                     entry.state = mf.APPLIED
             manifest.intents = []
             self.state.save(manifest)
-        except BaseException:
-            self._rollback(done, previous, kept_now)
+        except BaseException as exc:
+            self._rollback(done, previous, kept_now, exc)
             self.progress = "rolled-back"
             raise
         self.progress = "done"
-        self.state.remove_if_unused(manifest)
+        self._committed = (done, previous, kept_now)
         return displaced
 
+    def undo(self) -> None:
+        """Put back everything a finished ``commit`` wrote (another root of the same run failed).
+
+        The caller still holds the lock; the state folder is tidied only when it is released, so
+        the kept originals a full revert no longer names are still there to be named again."""
+        if self.progress != "done":
+            return
+        done, previous, kept = self._committed
+        self.progress = "writing"
+        self._rollback(done, previous, kept, None)
+        self.progress = "undone"
+
     def _rollback(
-        self, done: list[tuple[Write, Path, os.stat_result, bytes | None]], previous: bytes | None, kept: list[str]
+        self,
+        done: list[tuple[Write, Path, os.stat_result, bytes | None]],
+        previous: bytes | None,
+        kept: list[str],
+        cause: BaseException | None,
     ) -> None:
+        """Put back each file (and its RECORD) that does not have its bytes from before; only what changed
+        is written, so a failure to write a file is never reported as a failure to put it back."""
         failed: list[str] = []
         for w, path, st, record_before in reversed(done):
             try:
-                atomic_write(path, w.before, like=st)
+                if _bytes_of(path) != w.before:
+                    atomic_write(path, w.before, like=st)
+                    with contextlib.suppress(OSError):  # the bytecode of bytes that are back is that of before
+                        refresh_bytecode(path)
                 record = self._record(w.record)
-                if record_before is not None and record is not None:
+                if record_before is not None and record is not None and _bytes_of(record) != record_before:
                     atomic_write(record, record_before, like=record.stat())
-                refresh_bytecode(path)
             except OSError as exc:
                 failed.append(f"{path}: {describe_os_error(exc)}")
+        try:
+            if not failed:
+                self.state.restore_manifest(previous)
+        except OSError as exc:
+            failed.append(f"{self.state.manifest_path}: {describe_os_error(exc)}")
         if failed:
             # the manifest keeps its intent entries: the next apply or revert settles them
-            raise TransactionError(
-                errno.EIO,
-                "the rollback could not put back " + "; ".join(failed) + ". Each file is whole (old or new bytes); "
-                "run `fp32patch apply` or `fp32patch revert` again to settle the rest",
-            )
-        self.state.restore_manifest(previous)
+            raise RollbackError(cause, failed)
         for digest in kept:  # stored by this transaction, referenced by nothing now
             self.state.forget(digest)
-        if previous is None:  # the state folder was made for this run: nothing of ours stays
-            self.state.remove_if_unused(mf.Manifest())
+
+
+# ---------------------------------------------------------------- every root of one run
+
+
+@contextlib.contextmanager
+def locked(roots: Iterable[Path]) -> Iterator[None]:
+    """The locks of every root of one run, taken in one order (two runs never wait on each other in a circle)."""
+    with contextlib.ExitStack() as stack:
+        for root in sorted(set(roots), key=str):
+            stack.enter_context(StateDir(root).lock())
+        yield
+
+
+def commit_all(runs: list[tuple[Transaction, list[Write], mf.Manifest]]) -> list[list[Path]]:
+    """Commit each root's writes in turn, under every root's lock: all roots, or none.
+
+    A failure in one root (Ctrl-C included) rolls that root back (``commit``) and undoes every root
+    committed before it, then re-raises: a ``RollbackError`` when something could not be put back.
+    """
+    finished: list[Transaction] = []
+    displaced: list[list[Path]] = []
+    try:
+        for tx, writes, manifest in runs:
+            displaced.append(tx.commit(writes, manifest) if writes else [])
+            finished.append(tx)
+    except BaseException as exc:
+        failed: list[str] = []
+        for tx in reversed(finished):
+            try:
+                tx.undo()
+            except RollbackError as undo:
+                failed += undo.failed
+        if failed:
+            raise RollbackError(exc, [*(exc.failed if isinstance(exc, RollbackError) else []), *failed]) from None
+        raise
+    return displaced
