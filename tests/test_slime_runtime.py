@@ -38,7 +38,7 @@ def slime_args(flag=None, **extra) -> Namespace:
     return Namespace(**values)
 
 
-def refused(args: Namespace, argv=(), match: str = "") -> str:
+def refused(args: Namespace, argv=(), match: str | None = None) -> str:
     with pytest.raises(Fp32LmHeadConfigError, match=match) as caught:
         validate_fp32_lm_head_config(args, argv=list(argv))
     return str(caught.value)
@@ -92,6 +92,41 @@ def test_an_sglang_without_the_flag_is_refused():
 def test_sglang_settings_that_undo_its_flag_are_refused(setting, words):
     message = refused(slime_args("fp32out", **setting), match="do not follow --fp32-lm-head")
     assert words in message and message.count("fp32patch (") == 0  # the guard names the caller, once
+
+
+SGLANG_CONFIG = """
+sglang:
+  - name: actor
+    server_groups:
+      - worker_type: regular
+        num_gpus: 4
+        overrides:
+{overrides}
+      - worker_type: placeholder
+        num_gpus: 4
+"""
+
+
+@pytest.mark.parametrize(
+    ("flag", "overrides", "words"),
+    [
+        ("fp32out", "          enable-fp32-lm-head: false", "enable_fp32_lm_head is False"),
+        ("fp32out", "          rl_on_policy_target: fsdp", "rl_on_policy_target='fsdp'"),
+        (None, "          enable_fp32_lm_head: true", "--fp32-lm-head is off"),
+    ],
+)
+def test_sglang_config_groups_are_held_to_the_flag_before_anything_starts(tmp_path, flag, overrides, words):
+    path = tmp_path / "sglang.yaml"
+    path.write_text(SGLANG_CONFIG.format(overrides=overrides))
+    message = refused(slime_args(flag, sglang_config=str(path)))
+    assert message.startswith(f"--sglang-config {path}, model 'actor', server group 0 (regular): ")
+    assert words in message
+
+
+def test_sglang_config_groups_that_follow_the_flag_pass(tmp_path):
+    path = tmp_path / "sglang.yaml"
+    path.write_text(SGLANG_CONFIG.format(overrides="          mem_fraction_static: 0.7"))
+    assert validate_fp32_lm_head_config(slime_args("fp32out", sglang_config=str(path)), argv=[]).sglang
 
 
 def test_a_model_override_turning_sglang_fp32_alone_is_refused():
