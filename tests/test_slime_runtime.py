@@ -268,5 +268,6 @@ def test_the_probe_skips_servers_without_http_or_logits_and_reads_paired_ones():
     get, post, asked = http(True, None)
     assert probe_engine(engine(node_rank=1), get=get, post=post) == []
     assert probe_engine(engine(worker_type="encoder"), get=get, post=post) == []
+    assert probe_engine(engine(sglang_overrides={"is-embedding": True}), get=get, post=post) == []
     [report] = probe_engine(engine(worker_type="prefill"), get=get, post=post)
     assert report["dtype"] == "float32" and urls(asked) == ["http://10.0.0.7:30001/server_info"]
