@@ -381,3 +381,24 @@ def test_the_flag_and_rl_on_policy_target_are_where_the_guard_says():
         )
         sampler = files[version]["sglang/srt/layers/sampler.py"].read_text()
         assert "logits.bfloat16().div(sampling_info.temperatures).bfloat16()" in sampler
+
+
+def test_a_server_before_server_info_is_read_through_get_server_info():
+    """SGLang 0.5.3's HTTP server has /get_server_info only."""
+    gen = torch.Generator().manual_seed(8)
+    h, w = torch.randn(8, 64, generator=gen).bfloat16(), torch.randn(300, 64, generator=gen).bfloat16()
+    answer = _server_output(h.float() @ w.float().T)
+    asked = []
+
+    def get(url, timeout):
+        asked.append(url)
+        if url.endswith("/get_server_info"):
+            return _Response(200, {"enable_fp32_lm_head": True, "version": "0.5.3"})
+        return _Response(404, {"detail": "Not Found"})
+
+    def post(url, json, timeout):
+        return _Response(200, answer)
+
+    [report] = kit.probe_servers(["http://old:30000"], "fp32out", get=get, post=post, where="w", key=KEY, logger=logger)
+    assert asked == ["http://old:30000/server_info", "http://old:30000/get_server_info"]
+    assert (report["dtype"], report["version"]) == ("float32", "0.5.3")

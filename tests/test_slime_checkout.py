@@ -27,7 +27,7 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import tree_digest
-from tests.fixtures.slime_shapes import PATCHED, ServerArgs, forget_slime
+from tests.fixtures.slime_shapes import PATCHED, ServerArgs, forget_slime, sglang_http
 
 CHECKOUT = os.environ.get("FP32PATCH_SLIME_CHECKOUT")
 pytestmark = pytest.mark.skipif(
@@ -110,16 +110,6 @@ class RouterArgs:
         return parser
 
 
-class _Answer:
-    status_code = 200
-
-    def __init__(self, body):
-        self.body = body
-
-    def json(self):
-        return self.body
-
-
 def _module(name: str, **attrs) -> ModuleType:
     module = ModuleType(name)
     module.__dict__.update(attrs)
@@ -131,15 +121,7 @@ def stand_ins(asked: list) -> dict[str, ModuleType]:
     wandb, httpx and urllib3 (clients of services not reached), Ray's actor base, the logging set-up
     (slime.observability imports wandb), the accelerator registry (a GPU's device ids), and requests
     (the probe's HTTP client: answers recorded)."""
-    from tests.test_slime_runtime import top_logprobs
-
-    def get(url, **kw):
-        asked.append(("GET", url))
-        return _Answer({"enable_fp32_lm_head": True, "version": "0.5.15.post1"})
-
-    def post(url, **kw):
-        asked.append(("POST", url))
-        return _Answer({"meta_info": {"input_top_logprobs": top_logprobs(None)}})
+    get, post = sglang_http(asked)
 
     class RequestException(Exception):
         pass
@@ -215,7 +197,10 @@ def test_the_flag_reaches_sglang_and_the_server_is_probed(slime, monkeypatch):
     engine.init("127.0.0.1:5000", 30001, 5001, host="127.0.0.1")
     [server_args] = launched
     assert dataclasses.asdict(server_args)["enable_fp32_lm_head"] is True
-    assert slime == [("GET", "http://127.0.0.1:30001/server_info"), ("POST", "http://127.0.0.1:30001/generate")]
+    assert [(method, url) for method, url, _ in slime] == [
+        ("GET", "http://127.0.0.1:30001/server_info"),
+        ("POST", "http://127.0.0.1:30001/generate"),
+    ]
 
 
 @pytest.mark.parametrize(

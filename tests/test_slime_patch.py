@@ -18,7 +18,16 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import tree_digest
-from tests.fixtures.slime_shapes import ARGUMENTS, ENGINE, MODEL, PATCHED, checkout, forget_slime, install_sglang
+from tests.fixtures.slime_shapes import (
+    ARGUMENTS,
+    ENGINE,
+    MODEL,
+    PATCHED,
+    checkout,
+    forget_slime,
+    install_sglang,
+    sglang_http,
+)
 
 SPEC = "slime-fp32-lm-head"
 EDITS = {
@@ -119,12 +128,10 @@ def patched(tmp_path, cli, monkeypatch):
     code, out = cli.json("apply", "-s", root, "--patch", SPEC)
     assert code == 0, out
     install_sglang()
-    asked = []
+    asked: list = []
+    get, post = sglang_http(asked)
     requests = ModuleType("requests")  # stands in for the HTTP client the probe uses by default
-    requests.get = lambda url, **kw: (
-        asked.append(("GET", url, kw.get("headers"))) or _Answer({"enable_fp32_lm_head": True})
-    )
-    requests.post = lambda url, **kw: asked.append(("POST", url, kw.get("headers"))) or _Answer(_fp32_answer())
+    requests.get, requests.post = get, post
     monkeypatch.setitem(sys.modules, "requests", requests)
     monkeypatch.syspath_prepend(str(root))
     forget_slime()
@@ -132,22 +139,6 @@ def patched(tmp_path, cli, monkeypatch):
     forget_slime()
     for name in ("sglang", "sglang.srt", "sglang.srt.server_args"):
         sys.modules.pop(name, None)
-
-
-class _Answer:
-    status_code = 200
-
-    def __init__(self, body):
-        self.body = body
-
-    def json(self):
-        return self.body
-
-
-def _fp32_answer() -> dict:
-    from tests.test_slime_runtime import top_logprobs
-
-    return {"meta_info": {"input_top_logprobs": top_logprobs(None)}}
 
 
 def _parse(monkeypatch, *argv: str):

@@ -6,15 +6,13 @@ in test_slime_patch.py; the Megatron side for real in tests/heavy/megatron/test_
 from __future__ import annotations
 
 import logging
-import math
-import random
 from argparse import Namespace
 
 import pytest
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
 from fp32patch.runtime.slime import check_args, probe_engine, server_args, validate_fp32_lm_head_config, wire_model
-from tests.fixtures.slime_shapes import OldServerArgs, ServerArgs
+from tests.fixtures.slime_shapes import OldServerArgs, ServerArgs, sglang_http
 
 
 def slime_args(flag=None, **extra) -> Namespace:
@@ -40,7 +38,7 @@ def slime_args(flag=None, **extra) -> Namespace:
     return Namespace(**values)
 
 
-def refused(args: Namespace, argv=(), match: str = "") -> str:
+def refused(args: Namespace, argv=(), match: str | None = None) -> str:
     with pytest.raises(Fp32LmHeadConfigError, match=match) as caught:
         validate_fp32_lm_head_config(args, argv=list(argv))
     return str(caught.value)
@@ -94,6 +92,41 @@ def test_an_sglang_without_the_flag_is_refused():
 def test_sglang_settings_that_undo_its_flag_are_refused(setting, words):
     message = refused(slime_args("fp32out", **setting), match="do not follow --fp32-lm-head")
     assert words in message and message.count("fp32patch (") == 0  # the guard names the caller, once
+
+
+SGLANG_CONFIG = """
+sglang:
+  - name: actor
+    server_groups:
+      - worker_type: regular
+        num_gpus: 4
+        overrides:
+{overrides}
+      - worker_type: placeholder
+        num_gpus: 4
+"""
+
+
+@pytest.mark.parametrize(
+    ("flag", "overrides", "words"),
+    [
+        ("fp32out", "          enable-fp32-lm-head: false", "enable_fp32_lm_head is False"),
+        ("fp32out", "          rl_on_policy_target: fsdp", "rl_on_policy_target='fsdp'"),
+        (None, "          enable_fp32_lm_head: true", "--fp32-lm-head is off"),
+    ],
+)
+def test_sglang_config_groups_are_held_to_the_flag_before_anything_starts(tmp_path, flag, overrides, words):
+    path = tmp_path / "sglang.yaml"
+    path.write_text(SGLANG_CONFIG.format(overrides=overrides))
+    message = refused(slime_args(flag, sglang_config=str(path)))
+    assert message.startswith(f"--sglang-config {path}, model 'actor', server group 0 (regular): ")
+    assert words in message
+
+
+def test_sglang_config_groups_that_follow_the_flag_pass(tmp_path):
+    path = tmp_path / "sglang.yaml"
+    path.write_text(SGLANG_CONFIG.format(overrides="          mem_fraction_static: 0.7"))
+    assert validate_fp32_lm_head_config(slime_args("fp32out", sglang_config=str(path)), argv=[]).sglang
 
 
 def test_a_model_override_turning_sglang_fp32_alone_is_refused():
@@ -196,45 +229,20 @@ def engine(flag="fp32out", **extra) -> Engine:
     return Engine(**{**base, "server_port": 30001, **extra})
 
 
-def top_logprobs(grid: float | None, positions: int = 6, k: int = 20) -> list:
-    """Top log-probs of each position of logits on ``grid`` (bf16's at this scale) or none (fp32)."""
-    rng = random.Random(0)
-    rows = []
-    for _ in range(positions):
-        logits = [rng.uniform(5.0, 9.0) for _ in range(k)]
-        if grid:
-            logits = [round(z / grid) * grid for z in logits]
-        lse = math.log(sum(math.exp(z) for z in logits))
-        rows.append([(z - lse, i) for i, z in enumerate(sorted(logits, reverse=True))])
-    return rows
-
-
-class Answer:
-    def __init__(self, body, status=200):
-        self.body, self.status_code = body, status
-
-    def json(self):
-        return self.body
-
-
 def http(flag: bool, grid: float | None):
-    asked = []
-
-    def get(url, **kw):
-        asked.append(url)
-        return Answer({"enable_fp32_lm_head": flag, "version": "0.5.15.post1"})
-
-    def post(url, **kw):
-        asked.append(url)
-        return Answer({"meta_info": {"input_top_logprobs": [None, *top_logprobs(grid)]}})
-
+    asked: list = []
+    get, post = sglang_http(asked, flag=flag, grid=grid)
     return get, post, asked
+
+
+def urls(asked: list) -> list[str]:
+    return [url for _, url, _ in asked]
 
 
 def test_the_probe_passes_an_fp32_server():
     get, post, asked = http(True, None)
     [report] = probe_engine(engine(), get=get, post=post)
-    assert report["dtype"] == "float32" and asked == [
+    assert report["dtype"] == "float32" and urls(asked) == [
         "http://10.0.0.7:30001/server_info",
         "http://10.0.0.7:30001/generate",
     ]
@@ -260,5 +268,6 @@ def test_the_probe_skips_servers_without_http_or_logits_and_reads_paired_ones():
     get, post, asked = http(True, None)
     assert probe_engine(engine(node_rank=1), get=get, post=post) == []
     assert probe_engine(engine(worker_type="encoder"), get=get, post=post) == []
+    assert probe_engine(engine(sglang_overrides={"is-embedding": True}), get=get, post=post) == []
     [report] = probe_engine(engine(worker_type="prefill"), get=get, post=post)
-    assert report["dtype"] == "float32" and asked == ["http://10.0.0.7:30001/server_info"]
+    assert report["dtype"] == "float32" and urls(asked) == ["http://10.0.0.7:30001/server_info"]

@@ -173,15 +173,42 @@ def server_args(namespace: dict[str, Any]) -> dict[str, Any]:
 
 def _sglang_hazards(namespace: dict[str, Any], *, on: bool = True) -> list[str]:
     """SGLang's settings that make its flag do nothing or undo it, or (``on`` false) turn an fp32
-    head on without it (``kit.sglang.check_server_args``), from the ``--sglang-*`` arguments slime
-    copies into every server's ``ServerArgs``, the flag as slime will set it; returns the kit's notes."""
+    head on without it (``kit.sglang.check_server_args``): the ``--sglang-*`` arguments slime copies
+    into every server's ``ServerArgs``, each ``--sglang-config`` server group's overrides on top, the
+    flag as slime will set it; returns the kit's notes."""
     from fp32patch.runtime.kit import sglang
 
-    asked = {**server_args(namespace), sglang.SGLANG_SWITCH: on}
-    try:
-        return sglang.check_server_args(asked, on=on, where="--sglang-* options", key=FLAG)
-    except Fp32LmHeadConfigError as exc:  # named again by the guard: keep the kit's lines, not its prefix
-        raise Fp32LmHeadConfigError(str(exc).removeprefix("fp32patch (--sglang-* options): ")) from None
+    base = {**server_args(namespace), sglang.SGLANG_SWITCH: on}
+    notes: list[str] = []
+    for label, overrides in [("", {}), *config_groups(namespace.get("sglang_config"))]:
+        where = label or "--sglang-* options"
+        try:
+            notes += sglang.check_server_args({**base, **overrides}, on=on, where=where, key=FLAG)
+        except Fp32LmHeadConfigError as exc:  # named again by the guard: keep the kit's lines, not its prefix
+            text = str(exc).removeprefix(f"fp32patch ({where}): ")
+            raise Fp32LmHeadConfigError(f"{label}: {text}" if label else text) from None
+    return list(dict.fromkeys(notes))
+
+
+def config_groups(path: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The server groups of slime's ``--sglang-config`` YAML (``sglang: [{name, server_groups:
+    [{worker_type, overrides}]}]``) that override SGLang's arguments: (a label naming the file, the
+    model and the group, the overrides with ``-`` read as ``_``, as slime reads them)."""
+    if not path:
+        return []
+    import yaml  # slime's own dependency (its --sglang-config reader)
+
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle) or {}
+    groups = []
+    for model in data.get("sglang") or []:
+        for index, group in enumerate(model.get("server_groups") or model.get("engine_groups") or []):
+            overrides = {str(k).replace("-", "_"): v for k, v in (group.get("overrides") or {}).items()}
+            if overrides:
+                kind = group.get("worker_type", "regular")
+                label = f"--sglang-config {path}, model {model.get('name')!r}, server group {index} ({kind})"
+                groups.append((label, overrides))
+    return groups
 
 
 def check_args(args: Any, *, where: str = "parse_args", argv: Sequence[str] | None = None) -> SlimeSettings:

@@ -4,7 +4,8 @@ Each ``SGLangEngine`` probes its own server once ``init`` has launched it (it an
 ``/health_generate``) or checked an external one: ``kit.sglang.probe_servers`` reads its
 ``/server_info`` and measures the grade of the log-probs one short generation returns, and a
 server that would give bf16 log-probs stops slime's start, naming it. Only the server's first
-node listens for HTTP (the others return at once); an encoder-only server computes no logits. A
+node listens for HTTP (the others return at once); an encoder-only server and one that serves
+embeddings or scores (``is_embedding``, a ``--sglang-config`` reward model's) compute no logits. A
 prefill or decode server of a disaggregated pair cannot generate alone: its arguments are read,
 not measured (said in the log).
 """
@@ -30,6 +31,14 @@ def probe_engine(engine: Any, *, get: Any = None, post: Any = None) -> list[Mapp
     mode = requested_mode(getattr(engine.args, "fp32_lm_head", None))
     worker = getattr(engine, "worker_type", "regular")
     if getattr(engine, "node_rank", 0) != 0 or worker in NO_LOGITS:
+        return []
+    overrides = {str(k).replace("-", "_"): v for k, v in (getattr(engine, "sglang_overrides", None) or {}).items()}
+    if overrides.get("is_embedding", getattr(engine.args, "sglang_is_embedding", False)):
+        STACK.logger.info(
+            "fp32patch (%s %s): the server serves embeddings or scores (is_embedding), no logits: not probed",
+            WHERE,
+            getattr(engine, "rank", "?"),
+        )
         return []
     url = f"http://{engine.server_host}:{engine.server_port}"
     where = f"{WHERE} {getattr(engine, 'rank', '?')}"

@@ -6,7 +6,9 @@ guard, where patched), ``setup_model_and_optimizer`` (the provider, Megatron's `
 wiring where patched), then one training step through the tree's ``train_step``: a packed batch-1
 micro-batch (three samples in one row, attention block-diagonal, positions restarting), the logits
 divided by the rollout temperature, log-probs and entropy by slime's chunked code, a policy-gradient
-loss with an entropy bonus, backward into Megatron DDP's ``main_grad``. Where the flag is on, the
+loss with an entropy bonus, backward into Megatron DDP's ``main_grad``. Under tensor parallelism
+(two ranks) each rank holds its vocabulary shard of the logits (``parallel_output``) and slime's
+log-prob code reduces over the group. Where the flag is on, the
 server arguments of one SGLang server are computed too (SGLang's ServerArgs stood in).
 
 Stand-ins, named: ``megatron.training`` (Megatron-LM's, which needs Python 3.12's typing here):
@@ -27,7 +29,7 @@ from types import ModuleType
 
 import torch
 from megatron_harness import S, V, close_parallel, config, emulate_ddp, init_parallel
-from nemo_rl_fused import PACKED_LENGTHS, no_rng_fork, packed_microbatch
+from nemo_rl_fused import PACKED_LENGTHS, _gather, no_rng_fork, packed_microbatch
 
 TEMPERATURE = 0.7
 RESPONSES = (2, 1, 2)  # each packed sample's response tokens (the rest is its prompt)
@@ -155,8 +157,8 @@ def one_run(spec: dict) -> dict:
         log_probs=torch.cat(reported["log_probs"]).detach().clone(),
         entropy=torch.cat(reported["entropy"]).detach().clone(),
         hidden=seen["hidden"][:, 0].float().clone(),  # [s, h]
-        weight=layer.weight.detach().float().clone(),  # [v, h]
-        weight_grad=layer.weight.main_grad.clone(),
+        weight=_gather(layer.weight.detach().float(), dim=0),  # [v, h], this rank's rows gathered
+        weight_grad=_gather(layer.weight.main_grad, dim=0),
         grads={n: p.main_grad.clone() for n, p in gpt.named_parameters()},
         ids=batch["tokens"][0].clone(),
     )

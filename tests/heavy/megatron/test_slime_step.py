@@ -1,4 +1,4 @@
-"""slime's Megatron side from its one flag, on a real megatron-core GPTModel (CPU, gloo, TP=1).
+"""slime's Megatron side from its one flag, on a real megatron-core GPTModel (CPU, gloo, TP=1 and 2).
 
 The stand-in slime checkout (tests/fixtures/slime_src: slime's shapes of arguments.py,
 model_provider.py, model.py, loss.py and ppo_utils.py, not its code), stock and patched by
@@ -42,23 +42,33 @@ HERE = Path(__file__).parent
 REPO = HERE.parents[2]
 
 
-def _job(tmp_path_factory, root: Path, phases) -> dict:
+def _job(tmp_path_factory, root: Path, world: int, phases) -> dict:
+    """Rank 0's results (every rank computes the same log-probs; the weights are gathered)."""
     out = tmp_path_factory.mktemp("slime-step")
     job = {"root": str(root), "providers": str(HERE), "repo": str(REPO), "phases": phases, "out": str(out)}
-    mp.spawn(worker, args=(1, free_port(), job), nprocs=1, join=True)
-    return torch.load(out / "rank0.pt", weights_only=False)
+    mp.spawn(worker, args=(world, free_port(), job), nprocs=world, join=True)
+    ranks = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+    for other in ranks[1:]:
+        for name, record in other["runs"].items():
+            if record["ok"] and "log_probs" in record:
+                assert torch.equal(record["log_probs"], ranks[0]["runs"][name]["log_probs"]), name
+    return ranks[0]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"tp{w}")
+def runs(request, tmp_path_factory) -> dict:
     from tests.fixtures.slime_shapes import checkout
     from tests.nemo_rl_harness import cli
 
+    world = request.param
     stock = checkout(tmp_path_factory.mktemp("stock"))
     patched = checkout(tmp_path_factory.mktemp("patched"))
     code, data = cli("apply", "-s", str(patched), "--patch", "slime-fp32-lm-head")
     assert code == 0, data
-    return {"stock": _job(tmp_path_factory, stock, [OFF]), "patched": _job(tmp_path_factory, patched, [OFF, ON])}
+    return {
+        "stock": _job(tmp_path_factory, stock, world, [OFF]),
+        "patched": _job(tmp_path_factory, patched, world, [OFF, ON]),
+    }
 
 
 def _ok(results: dict, name: str) -> dict:
