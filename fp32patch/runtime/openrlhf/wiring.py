@@ -64,11 +64,12 @@ def engine_options(
             STACK.logger.info("fp32patch (%s): vLLM's own head_dtype float32 for the engine (%s=%r)", where, KEY, mode)
 
     def options(**kwargs: Any) -> Any:
-        env_mode = mode if route == "variable" else None
-        if mode is not None or kwargs.get("runtime_env"):
+        if route == "variable":
             kwargs["runtime_env"] = rollout.ray_runtime_env(
-                kwargs.get("runtime_env"), env_mode, key=KEY, where=where, logger=STACK.logger
+                kwargs.get("runtime_env"), mode, key=KEY, where=where, logger=STACK.logger
             )
+        elif mode is None and kwargs.get("runtime_env"):  # an on switch there would be one side alone
+            rollout.ray_runtime_env(kwargs["runtime_env"], None, key=KEY, where=where, logger=STACK.logger)
         return actor_cls.options(**kwargs)
 
     return options
