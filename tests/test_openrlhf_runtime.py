@@ -229,9 +229,10 @@ def test_engine_options_refuse_a_contradicting_or_one_sided_setting(guarded):
     assert kwargs == {"model": "m"} and cls.calls == [{"num_cpus": 1}]
 
 
-def test_no_vllm_in_the_driver_is_refused():
-    with pytest.raises(Fp32LmHeadConfigError, match="no vLLM is installed"):
-        rollout.vllm_route(None)
+def test_no_vllm_in_the_driver_is_refused(guarded):
+    guarded("fp32out", None)
+    with pytest.raises(Fp32LmHeadConfigError, match=r"^fp32patch \(create_vllm_engines\): no vLLM is installed"):
+        engine_options(_EngineClass(), {})
     assert rollout.vllm_route((0, 25, 9)) == "variable" and rollout.vllm_route((0, 26, 0)) == "head_dtype"
 
 

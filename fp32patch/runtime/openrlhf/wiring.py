@@ -52,12 +52,13 @@ def engine_options(
     installed vLLM takes it; ``actor_kwargs`` (the engine's arguments) may be changed in place.
     With the flag off, an on switch in the engine's arguments or runtime environment is refused."""
     mode = rollout_mode()
-    route = rollout.vllm_route(rollout.installed_vllm_version()) if mode is not None else None
-    if route == "head_dtype" or mode is None:
-        try:
+    try:
+        route = rollout.vllm_route(rollout.installed_vllm_version()) if mode is not None else None
+        if route == "head_dtype" or mode is None:
             overrides = rollout.head_dtype_overrides(actor_kwargs.get("hf_overrides"), key=KEY, mode=mode)
-        except Fp32LmHeadConfigError as exc:
-            raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
+    except Fp32LmHeadConfigError as exc:
+        raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc}") from None
+    if route == "head_dtype" or mode is None:
         if overrides or "hf_overrides" in actor_kwargs:
             actor_kwargs["hf_overrides"] = overrides
         if mode is not None:
