@@ -257,6 +257,16 @@ def test_the_probe_refuses_a_bf16_worker_naming_its_engine():
     assert "vLLM engine 0" not in text
 
 
+def test_a_head_dtype_that_fell_back_is_said_so():
+    answers = [[_report(dtype="bfloat16", way="stock", pid=9)]]
+    with pytest.raises(Fp32LmHeadMismatchError) as info:
+        check_engines(answers, "fp32out", where="vLLM engines", route="head_dtype")
+    assert (
+        "vLLM engine 0: vLLM worker 0 (host h, pid 9) computes bfloat16 logits while --fp32_lm_head='fp32out' "
+        "asked vLLM for head_dtype float32 (hf_overrides): vLLM fell back" in str(info.value)
+    )
+
+
 def test_an_engine_without_reports_is_refused():
     with pytest.raises(Fp32LmHeadMismatchError, match="engine 0.*no vLLM worker returned"):
         check_engines([[]], "fp32out", where="vLLM engines")

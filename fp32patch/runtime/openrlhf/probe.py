@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fp32patch.runtime.kit import rollout
 from fp32patch.runtime.kit.probe import PROBE_RPC, disagreeing_reports, disagreement, refuse
 from fp32patch.runtime.modes import VLLM_SWITCH
 from fp32patch.runtime.openrlhf.config import KEY, STACK
@@ -40,17 +41,21 @@ def probe_engines(engines: Any, *, where: str = "vLLM engines", get: Any = None)
 
         get = ray.get
     answers = get([getattr(engine, PROBE_RPC).remote() for engine in engines])
-    return check_engines(answers, mode, where=where)
+    route = rollout.vllm_route(rollout.installed_vllm_version())
+    return check_engines(answers, mode, where=where, route=route)
 
 
-def check_engines(answers: Any, mode: str | None, *, where: str) -> list[list[Any]]:
+def check_engines(answers: Any, mode: str | None, *, where: str, route: str = "variable") -> list[list[Any]]:
     """Every engine's workers float32 where the flag is on (``mode``), none where it is off; else
-    refuse with one line per disagreeing worker, naming its engine. Logs one line when all agree."""
+    refuse with one line per disagreeing worker, naming its engine. ``route``: how the engines were
+    asked (``kit.rollout.vllm_route``), for the reason a worker gives. Logs one line when all agree."""
     asking = f"{KEY}={mode!r}" if mode is not None else f"{KEY} is off"
     bad_all, flat_all = [], []
     for engine, reports in enumerate(answers):
 
         def why(index: int, report: Mapping[str, Any], engine: int = engine) -> str:
+            if mode is not None and route == "head_dtype":
+                return f"vLLM engine {engine}: {_fell_back(index, report, asking)}"
             line = disagreement(
                 index, report, expect_fp32=mode is not None, asking=asking, switch=VLLM_SWITCH, key=KEY, hint=WHERE_SET
             )
@@ -79,3 +84,13 @@ def check_engines(answers: Any, mode: str | None, *, where: str) -> list[list[An
         asking,
     )
     return flat_all
+
+
+def _fell_back(index: int, report: Mapping[str, Any], asking: str) -> str:
+    """Why a worker asked for vLLM's own ``head_dtype`` float32 computes other logits."""
+    worker = f"vLLM worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
+    return (
+        f"{worker} computes {report.get('dtype')} logits while {asking} asked vLLM for head_dtype float32 "
+        "(hf_overrides): vLLM fell back to the model's dtype (a platform without fp32 support, or a quantized "
+        f"head: see the engine's log); the way is {report.get('way')}: {report.get('reason') or '-'}"
+    )
