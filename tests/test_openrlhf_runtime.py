@@ -3,7 +3,7 @@
 The guard and the rollout side are pure Python, tested on namespaces as train_ppo_ray builds them
 (flat to 0.10.1.post2, nested from 0.10.2; test_openrlhf_releases.py runs every release's own
 parser through it). The actor's side runs OpenRLHF's own ``Actor.forward`` from real releases
-(0.10.4: the entropy before the temperature; 0.11.2: after it, ``div_`` in place), patched by
+(0.9.8 and 0.10.4: the entropy before the temperature; 0.11.2: after it, ``div_`` in place), patched by
 ``fp32patch apply``, on a tiny bf16 causal LM with torch alone (tests/support/openrlhf_actor.py
 says what stands in for flash-attn): switch off, the stock results bit for bit; on, log-probs and
 entropy at fp32 grade against float64 with a temperature of 0.7, packed and padded batches, a
@@ -287,7 +287,7 @@ def test_probe_engines_asks_every_engine_through_its_probe_method(guarded):
 
 # ---------------------------------------------------------------- the actor, from real releases
 
-ACTOR_RELEASES = ("0.10.4", "0.11.2")
+ACTOR_RELEASES = ("0.9.8", "0.10.4", "0.11.2")
 TEMPERATURE = 0.7
 
 
@@ -336,8 +336,13 @@ def _reference(model, sequences, entropy_temperature):
     return log_probs, entropy, weight
 
 
+def _divides_in_place(version: str) -> bool:
+    """0.11.1 and later divide the logits by the temperature in place, before the entropy."""
+    return tuple(int(p) for p in version.split(".")[:3]) >= (0, 11, 1)
+
+
 def _entropy_temperature(version):
-    return TEMPERATURE if version >= "0.11.1" else 1.0
+    return TEMPERATURE if _divides_in_place(version) else 1.0
 
 
 def _run(actor, sequences, attention_mask, action_mask):
@@ -440,7 +445,7 @@ def test_a_caller_that_wants_the_logits_gets_them_in_fp32(releases, version):
     assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32 and logits.shape == (2, 12, 96)
     hidden = actor.model.hidden(sequences).double()
     expected = hidden @ actor.model.lm_head.weight.double().T
-    if version >= "0.11.1":
+    if _divides_in_place(version):
         expected = expected / TEMPERATURE  # divided in place by forward itself
     assert (logits.double() - expected).abs().max().item() < 1e-5
 
