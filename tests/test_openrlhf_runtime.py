@@ -483,3 +483,14 @@ def test_what_the_chunked_path_cannot_compute_is_refused(releases):
     wire_actor(actor, Namespace(fp32_lm_head="fp32out"), role="actor")
     with pytest.raises(UnsupportedLmHeadError, match="changes its logits after the head"):
         _run(actor, sequences, attention_mask, action_mask)
+
+
+def test_the_ray_runtime_env_keeps_a_switch_already_named_either_way():
+    logger = logging.getLogger("test")
+    kept = rollout.ray_runtime_env(
+        {"env_vars": {"FP32PATCH_VLLM_LM_HEAD": "copy"}}, "fp32out", key="--fp32_lm_head", where="w", logger=logger
+    )
+    assert kept == {"env_vars": {"FP32PATCH_VLLM_LM_HEAD": "copy"}}
+    with pytest.raises(Fp32LmHeadConfigError, match="is not valid"):
+        rollout.ray_runtime_env({"env_vars": {VLLM_ENV_VAR: "maybe"}}, "fp32out", key="k", where="w", logger=logger)
+    assert rollout.ray_runtime_env(None, None, key="k", where="w", logger=logger) == {}

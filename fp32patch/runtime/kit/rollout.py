@@ -150,6 +150,11 @@ def ray_runtime_env(
         found = vllm_switch({k: str(v) for k, v in env_vars.items()})
     except ValueError as exc:
         raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc} (in the Ray actor's runtime_env)") from None
+    if found is not None and found[1] not in VLLM_ON_VALUES and found[1] not in VLLM_OFF_VALUES:
+        raise Fp32LmHeadConfigError(
+            f"fp32patch ({where}): {found[0]}={found[1]!r} in the rollout's Ray runtime_env is not valid; "
+            f"valid values: {VLLM_VALUES_TEXT}"
+        )
     if mode is None:
         if found is not None and found[1] in VLLM_ON_VALUES:
             raise Fp32LmHeadConfigError(
