@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import datetime
 import os
 import types
@@ -31,6 +30,7 @@ from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.openrlhf import MARK, check_config
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON
+from tests.support.lifecycle import gate_namespace as _gate
 from tests.support.lifecycle import lifecycle
 from tests.support.pypi import import_root_from_members, member_files
 
@@ -193,21 +193,6 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
 
 
 # ---------------------------------------------------------------- the gate with the switch off
-
-
-def _gate(source: bytes) -> tuple[dict[str, Any], list[str]]:
-    """The gate's functions of a patched file, run in a namespace whose imports are recorded."""
-    defs = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name.startswith("_fp32patch_")]
-    imported: list[str] = []
-    real_import = builtins.__import__
-
-    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
-        imported.append(name)
-        return real_import(name, globals, locals, fromlist, level)
-
-    namespace: dict[str, Any] = {"__builtins__": {**vars(builtins), "__import__": recording_import}}
-    exec(compile(ast.Module(body=defs, type_ignores=[]), "gate", "exec"), namespace)  # noqa: S102
-    return namespace, imported
 
 
 class _Engine:
