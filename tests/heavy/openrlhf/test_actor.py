@@ -29,8 +29,8 @@ pytestmark = pytest.mark.xdist_group("actor")
 STAGES = {"stock": [3], "off": [3], "on": [3, 2]}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, model_dir, patched_root):
+@pytest.fixture(scope="session")  # one run per way, however xdist interleaves the modules
+def actor_runs(tmp_path_factory, model_dir, patched_root):
     cache: dict[str, list[dict]] = {}
 
     def get(way: str) -> list[dict]:
@@ -66,8 +66,8 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.double() - want).abs().max().item()
 
 
-def test_switched_off_is_stock_bit_for_bit(runs):
-    stock, off = runs("stock"), runs("off")
+def test_switched_off_is_stock_bit_for_bit(actor_runs):
+    stock, off = actor_runs("stock"), actor_runs("off")
     assert not any(r["fp32patch_imported"] for r in stock + off)
     assert "patched-roots" in off[0]["openrlhf_file"] and "patched-roots" not in stock[0]["openrlhf_file"]
     for s, o in zip(stock, off, strict=True):
@@ -75,18 +75,18 @@ def test_switched_off_is_stock_bit_for_bit(runs):
             assert torch.equal(s["zero3"][key], o["zero3"][key]), key
 
 
-def test_stock_log_probs_are_the_bf16_logits(runs):
+def test_stock_log_probs_are_the_bf16_logits(actor_runs):
     """Stock OpenRLHF upcasts the HF model's bf16 logits: its log-probs carry bf16's rounding of
     them (logits of ~10 at this head), which the switch removes."""
-    for rec in (r["zero3"] for r in runs("stock")):
+    for rec in (r["zero3"] for r in actor_runs("stock")):
         want_lp, _ = _float64(rec)
         assert rec["log_probs_dtype"] == "torch.float32"
         assert 1e-3 < _error(rec["log_probs"], want_lp) < 0.5
 
 
 @pytest.mark.parametrize("stage", [3, 2])
-def test_switched_on_fp32_log_probs_entropy_and_a_finite_step(runs, stage):
-    ranks = runs("on")
+def test_switched_on_fp32_log_probs_entropy_and_a_finite_step(actor_runs, stage):
+    ranks = actor_runs("on")
     assert all(r["fp32patch_imported"] for r in ranks)
     for rec in (r[f"zero{stage}"] for r in ranks):
         assert rec["weight_dtype"] == "torch.bfloat16" and rec["weight"].shape == (500, 128)
@@ -102,21 +102,21 @@ def test_switched_on_fp32_log_probs_entropy_and_a_finite_step(runs, stage):
         assert rec["digest"].isfinite().all()
 
 
-def test_switched_on_and_off_heads_get_the_same_gradient_up_to_bf16(runs):
+def test_switched_on_and_off_heads_get_the_same_gradient_up_to_bf16(actor_runs):
     """The head's gradient partition with the switch on is the stock one less bf16's rounding of
     the logits: close, not equal."""
-    for on, off in zip(runs("on"), runs("off"), strict=True):
+    for on, off in zip(actor_runs("on"), actor_runs("off"), strict=True):
         a, b = on["zero3"]["grad"].double(), off["zero3"]["grad"].double()
         rel = ((a - b).abs().max() / b.abs().max()).item()
         assert 0 < rel < 0.1, rel
 
 
-def test_packed_sequences_stay_apart(runs, model_dir):
+def test_packed_sequences_stay_apart(actor_runs, model_dir):
     """The packed batch (the stand-in's unpad, OpenRLHF's position ids, torch's SDPA): the second
     sequence's hidden states equal those of the same tokens run alone through the model."""
     from transformers import AutoModelForCausalLM
 
-    rec = runs("stock")[0]["zero3"]
+    rec = actor_runs("stock")[0]["zero3"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     seqs, mask = rec["sequences"], rec["attention_mask"]
     alone = seqs[1][mask[1].bool()][None]
