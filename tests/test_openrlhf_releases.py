@@ -19,6 +19,7 @@ import argparse
 import ast
 import datetime
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,8 @@ class _Engine:
 def _run_gate_off(source: bytes, monkeypatch) -> list[str]:
     """Every gate function with the switch off in each spelling, as OpenRLHF's code calls it."""
     ns, imported = _gate(source)
-    monkeypatch.delitem(__import__("sys").modules, "fp32patch.runtime.openrlhf", raising=False)
+    # the driver gates read "the guard ran here" from sys.modules: it did not
+    monkeypatch.delitem(sys.modules, "fp32patch.runtime.openrlhf", raising=False)
     actor = types.SimpleNamespace(model=object(), temperature=1.0)
     stock = object()
     for off in (None, False, "", "false", "False", "no", "0", "off"):
