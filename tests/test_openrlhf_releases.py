@@ -5,7 +5,8 @@ wheel, whose package sits under ``openrlhf-X.data/purelib/``, laid out as pip in
 ``nemotron_h.py`` and ``logits_processor.py`` of the vLLM its ``vllm`` extra pins, as one image
 would: ``apply`` patches all three in the variant the release needs; every edit sits where it
 belongs and nothing else changed; ``verify`` is green; re-applying changes nothing; a hand edit
-reads ``drifted``; ``revert`` restores every byte. With the switch off, the gate each patched file
+reads ``drifted``; ``revert`` restores every byte. The release before the range (0.9.7) is
+refused, nothing written. With the switch off, the gate each patched file
 carries hands back what it was given and never imports fp32patch.
 
 The release's own argument parser, patched, takes ``--fp32_lm_head`` with that release's spelling
@@ -30,7 +31,7 @@ import fp32patch
 from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.openrlhf import MARK, check_config
-from tests.conftest import LOGITS_PROCESSOR, NEMOTRON
+from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
 from tests.support.lifecycle import lifecycle
 from tests.support.pypi import import_root_from_members, member_files
@@ -346,3 +347,16 @@ def test_a_hand_edited_file_is_drifted_and_reverted_only_by_force(version, tmp_p
     assert cli("revert", "-s", root, "--patch", SPEC).exit_code == 3
     assert cli("revert", "-s", root, "--patch", SPEC, "--force").exit_code == 0
     assert {p: (root / p).read_bytes() for p in FILES.values()} == originals
+
+
+def test_a_release_before_the_range_is_refused(tmp_path, cli):
+    """0.9.7 (the release before the range, not read for this patch): refused with the range the
+    patch supports; nothing written, the vLLM patches' files included."""
+    root = _root("0.9.7", "0.18.0", tmp_path / "site-packages")
+    before = tree_digest(root)
+    result = cli("apply", "-s", root)
+    assert result.exit_code == 3, result.stdout + result.stderr
+    said = " ".join((result.stdout + result.stderr).split())
+    assert "openrlhf-fp32-lm-head: cannot patch openrlhf/cli/train_ppo_ray.py (openrlhf 0.9.7)" in said
+    assert "this patch supports openrlhf >=0.9.8" in said and "nothing was written" in said
+    assert tree_digest(root) == before
