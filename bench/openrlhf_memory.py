@@ -121,9 +121,9 @@ def measure(tokens: list[int], vocab: int, hidden: int, stock_max: int) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument(
-        "--stock-max", type=int, default=4096, help="the longest T stock runs (its peak grows ~10 bytes x T x V)"
+        "--stock-max", type=int, default=1024, help="the longest T stock runs (its peak grows ~10 bytes x T x V)"
     )
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=128)

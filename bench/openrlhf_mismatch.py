@@ -63,6 +63,10 @@ def _reward(tokens: list[int]) -> float:
     return sum(t < 250 for t in tokens) / max(len(tokens), 1)
 
 
+async def _gather(coroutines: list) -> list:
+    return await asyncio.gather(*coroutines)
+
+
 def run_switch(switch: str | None, ways: list[str], seeds: list[int], steps: int, model: str, plugin: str) -> dict:
     """In this process (the patched root first on the path): one engine for the switch, then each
     way and seed from the initial weights."""
@@ -118,7 +122,7 @@ def run_switch(switch: str | None, ways: list[str], seeds: list[int], steps: int
                         params_k = SamplingParams(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, logprobs=1,
                                                   seed=10_000 * seed + 100 * step + 10 * i + k)  # fmt: skip
                         requests.append((prompt, engine.obj.generate(prompt, params_k)))
-                outs = local.call(asyncio.gather(*[r for _, r in requests]))
+                outs = local.call(_gather([r for _, r in requests]))
                 batch = []
                 for (prompt, _), out in zip(requests, outs, strict=True):
                     c = out.outputs[0]

@@ -5,8 +5,7 @@ path with its ``WorkerWrap``, from the environment's stock tree or from a root p
 
 flash-attn, a hard dependency of every OpenRLHF release and a CUDA build, is the test-only
 stand-in ``stand_in/flash_attn`` (its packing helpers only), on the runs' ``PYTHONPATH``.
-The tests that share a run go on one xdist worker (``xdist_group``; ``-n``'s ``load`` becomes
-``loadgroup``).
+The tests that share a run are one module's, and each module goes to one xdist worker.
 """
 
 from __future__ import annotations
@@ -26,9 +25,12 @@ for _name in harness.SWITCHES:
 PATCHED_ROOT: Path | None = None
 
 
-def pytest_configure(config):
-    if getattr(config.option, "dist", None) == "load":
-        config.option.dist = "loadgroup"
+def pytest_xdist_make_scheduler(config, log):
+    """One pytest-xdist worker per module (``--dist loadscope``): a module's tests share its runs,
+    which each worker would otherwise start again."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    return LoadScopeScheduling(config, log)
 
 
 def pytest_unconfigure(config):

@@ -24,8 +24,6 @@ import torch
 from tests.heavy.openrlhf import harness
 from tests.heavy.openrlhf.actor_run import RESPONSE, TEMPERATURE
 
-pytestmark = pytest.mark.xdist_group("actor")
-
 STAGES = {"stock": [3], "off": [3], "on": [3, 2]}
 
 

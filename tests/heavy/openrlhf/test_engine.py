@@ -24,8 +24,6 @@ import pytest
 
 from tests.heavy.openrlhf import harness
 
-pytestmark = pytest.mark.xdist_group("engine")
-
 
 @pytest.fixture(scope="session")
 def other_weights(tmp_path_factory):
