@@ -20,7 +20,9 @@ verl-fp32-lm-head, verl 0.9.1's FSDP engine and vLLM rollout server from its whe
 the release's other target files unchanged beside it. For trl-fp32-lm-head, TRL 1.16.0's
 trl/generation/vllm_generation.py (vLLM's switch before the colocated LLM is built, the probes
 after it and after the server's client) and trl/trainer/utils.py (add_fused_lm_head's chunked
-kernel) from its wheel, likewise each with the other six target files unchanged beside it.
+kernel) from its wheel, likewise each with the other six target files unchanged beside it. For
+openrlhf-fp32-lm-head, OpenRLHF 0.11.2's models/actor.py (Actor.forward's model call, entropy and
+log-probs, each replaced through the gate) from its wheel, with the other five target files.
 """
 
 from __future__ import annotations
@@ -1500,6 +1502,67 @@ def _sglang_mutations(spec: Spec) -> list[Mutation]:
     ]
 
 
+# ---------------------------------------------------------------- openrlhf-fp32-lm-head on OpenRLHF's Actor.forward
+
+OPENRLHF = "0.11.2"
+OPENRLHF_ACTOR = "openrlhf/models/actor.py"
+ACTOR_FORWARD_NAMESAKE = """\
+def forward(self, sequences, attention_mask=None):
+    output = self.model(sequences, attention_mask=attention_mask)
+    entropy = compute_entropy(output["logits"])
+    return log_probs_from_logits(output["logits"], sequences), entropy
+
+"""
+
+
+def _openrlhf_files() -> dict[str, str]:
+    """OpenRLHF 0.11.2's files that the spec names, as its wheel holds them (laid out as installed)."""
+    return _release_files("openrlhf-fp32-lm-head", OPENRLHF)
+
+
+def _actor_forward(tree: ast.Module) -> ast.AST:
+    return _path(tree, "Actor", "forward")
+
+
+def _actor_mutations(spec: Spec) -> list[Mutation]:
+    call = _stmt_in(_actor_forward, "output = self.model(")
+    log_probs = _stmt_in(_actor_forward, "log_probs = log_probs_from_logits(")
+    return [
+        *_shared_benign(spec, [lambda t: _path(t, "Actor", "__init__"), _actor_forward], lambda t: _path(t, "Actor")),
+        # decoys: the anchors where the spec does not look
+        Mutation("module-level-namesake", append(ACTOR_FORWARD_NAMESAKE)),
+        Mutation("decoy-class", append("class CriticActor(nn.Module):\n" + _indented(ACTOR_FORWARD_NAMESAKE, "    "))),
+        Mutation(
+            "other-method",
+            insert_at(_actor_forward, _block(ACTOR_FORWARD_NAMESAKE.replace("def forward", "def forward_value"))),
+        ),
+        # breaking: each must be refused
+        Mutation("model-called-twice", insert_at(call, _block("_warm = self.model(sequences)")), breaking=True),
+        Mutation(
+            "log-probs-twice",
+            insert_at(log_probs, _block("_again = log_probs_from_logits(output['logits'], rolled_sequences)")),
+            breaking=True,
+        ),
+        Mutation("entropy-renamed", _rename(_actor_forward, r"\bcompute_entropy\b", "entropy_of"), breaking=True),
+        # the replacement reads forward's rolled_sequences and return_entropy: renamed there, undefined names
+        Mutation("rolled-renamed", _rename(_actor_forward, r"\brolled_sequences\b", "shifted"), breaking=True),
+        Mutation("entropy-flag-renamed", _rename(_actor_forward, r"\breturn_entropy\b", "with_entropy"), breaking=True),
+        Mutation("forward-renamed", _on_line(_actor_forward, "def forward", "def forward_logprobs"), breaking=True),
+        Mutation(
+            "class-renamed", _on_line(lambda t: _path(t, "Actor"), "class Actor", "class PolicyActor"), breaking=True
+        ),
+        Mutation("gate-name-clash", append("_fp32patch_model = None\n"), breaking=True),
+    ]
+
+
+_actor_correct = _anchored_correct(
+    "openrlhf-fp32-lm-head",
+    OPENRLHF_ACTOR,
+    [],
+    replaced=tuple((("Actor", "forward"), edit) for edit in ("model-call", "log-probs", "entropy")),
+)
+
+
 # ---------------------------------------------------------------- the property
 
 
@@ -1639,6 +1702,18 @@ CASES = [
         _sglang_correct,
         "",
         12,
+    ),
+    Case(
+        "openrlhf-fp32-lm-head",
+        f"openrlhf-{OPENRLHF}-actor",
+        lambda: _openrlhf_files()[OPENRLHF_ACTOR],
+        OPENRLHF,
+        OPENRLHF_ACTOR,
+        _actor_mutations,
+        _actor_correct,
+        "entropy-after-temperature",
+        6,
+        others=lambda: {p: t.encode() for p, t in _openrlhf_files().items() if p != OPENRLHF_ACTOR},
     ),
 ]
 

@@ -360,3 +360,31 @@ def test_an_fp32_weight_seen_by_the_forward_is_refused_there():
     model.lm_head.float()
     with pytest.raises(UnsupportedLmHeadError, match="the forward sees a float32 head weight"):
         model.lm_head(torch.randn(2, H))
+
+
+def test_instead_of_logits_hands_the_heads_input_and_weight_to_compute_inside_its_call():
+    """A stack that needs log-probs, not logits, computes them in the head's own call (where a
+    trainer's hooks gathered the weight); only that head, only inside the block; an unconverted
+    head is refused."""
+    from fp32patch.runtime.heads.hf import instead_of_logits
+
+    model, other = CausalLM(seed=1), CausalLM(seed=2)
+    ids = torch.randint(0, V, (2, T))
+    with pytest.raises(UnsupportedLmHeadError, match="not converted"):
+        with instead_of_logits(model.lm_head, lambda hidden, weight: None):
+            pass
+    apply_fp32_lm_head(model, "fp32out")
+    apply_fp32_lm_head(other, "fp32out")
+    seen = []
+
+    def compute(hidden, weight):
+        seen.append((hidden, weight))
+        return hidden.sum(-1, keepdim=True).float()
+
+    with instead_of_logits(model.lm_head, compute):
+        out = model(ids)
+        logits_of_other = other(ids)
+    assert out.shape == (2, T, 1) and len(seen) == 1
+    assert torch.equal(seen[0][0], model.hidden(ids)) and seen[0][1] is model.lm_head.weight
+    assert logits_of_other.shape == (2, T, V) and logits_of_other.dtype == torch.float32
+    assert model(ids).shape == (2, T, V)  # outside the block: the fp32 logits again

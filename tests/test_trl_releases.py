@@ -12,10 +12,8 @@ fp32patch. Releases before 1.12 (TRL's own vLLM server script) are refused, noth
 from __future__ import annotations
 
 import ast
-import builtins
 import types
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,6 +21,7 @@ import fp32patch
 from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.trl.fused import MARK
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.lifecycle import gate_namespace as _gate
 from tests.support.lifecycle import lifecycle
 from tests.support.pypi import import_root_from_members
 
@@ -190,21 +189,6 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
 
 
 # ---------------------------------------------------------------- the gate with the switch off
-
-
-def _gate(source: bytes) -> tuple[dict[str, Any], list[str]]:
-    """The gate's functions of a patched file, run in a namespace whose imports are recorded."""
-    defs = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name.startswith("_fp32patch_")]
-    imported: list[str] = []
-    real_import = builtins.__import__
-
-    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
-        imported.append(name)
-        return real_import(name, globals, locals, fromlist, level)
-
-    namespace: dict[str, Any] = {"__builtins__": {**vars(builtins), "__import__": recording_import}}
-    exec(compile(ast.Module(body=defs, type_ignores=[]), "gate", "exec"), namespace)  # noqa: S102
-    return namespace, imported
 
 
 class _Model:

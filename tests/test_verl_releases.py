@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import builtins
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import fp32patch
 from fp32patch.patcher.spec import load_specs
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.lifecycle import gate_namespace as _gate
 from tests.support.lifecycle import lifecycle
 from tests.support.pypi import import_root_from_members
 
@@ -365,26 +365,6 @@ class _Engine:
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[dict[str, str]]:
         self.calls.append(method)
         return [{"dtype": "float32", "way": "fp32out"}]
-
-
-def _gate(source: bytes) -> tuple[dict[str, Any], list[str]]:
-    """The gate's functions of a patched file, run in a namespace whose imports are recorded."""
-    tree = ast.parse(source)
-    defs = [
-        n
-        for n in tree.body
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("_fp32patch_")
-    ]
-    imported: list[str] = []
-    real_import = builtins.__import__
-
-    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
-        imported.append(name)
-        return real_import(name, globals, locals, fromlist, level)
-
-    namespace: dict[str, Any] = {"__builtins__": {**vars(builtins), "__import__": recording_import}}
-    exec(compile(ast.Module(body=defs, type_ignores=[]), "gate", "exec"), namespace)  # noqa: S102
-    return namespace, imported
 
 
 def _run_gate_off(source: bytes) -> list[str]:

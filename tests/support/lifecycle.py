@@ -1,13 +1,17 @@
 """A stack patch's release lifecycle beside vLLM's patches: apply, the stack's own checks, verify,
 apply again (nothing changes), revert to every byte, verify (not applied).
 
-The release tests of verl and TRL call ``lifecycle`` with their own checks of the patched files
-(``check(originals, patched)``: the edits where they belong, the gates off and on)."""
+The release tests of verl, TRL and OpenRLHF call ``lifecycle`` with their own checks of the patched
+files (``check(originals, patched)``: the edits where they belong, the gates off and on); the gates
+run through ``gate_namespace``."""
 
 from __future__ import annotations
 
+import ast
+import builtins
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import tree_digest
 
@@ -63,3 +67,23 @@ def lifecycle(
     assert outside_state(root) == before  # every byte, the dist-info's RECORD included
     code, out = cli.json("verify", "-s", root)
     assert code == 1 and {p["id"]: p["status"] for p in out["patches"]}[spec] == "not-applied"
+
+
+def gate_namespace(source: bytes) -> tuple[dict[str, Any], list[str]]:
+    """The gate's functions of a patched file (its ``_fp32patch_*`` defs), run in a namespace
+    whose imports are recorded: ``(namespace, names imported so far)``."""
+    defs = [
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("_fp32patch_")
+    ]
+    imported: list[str] = []
+    real_import = builtins.__import__
+
+    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+        imported.append(name)
+        return real_import(name, globals, locals, fromlist, level)
+
+    namespace: dict[str, Any] = {"__builtins__": {**vars(builtins), "__import__": recording_import}}
+    exec(compile(ast.Module(body=defs, type_ignores=[]), "gate", "exec"), namespace)  # noqa: S102
+    return namespace, imported

@@ -124,11 +124,38 @@ def wheel_members(project: str, version: str, members: list[str]) -> Path:
                 for n in names
                 if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] in ("METADATA", "RECORD", "WHEEL")
             ]
-            for name in [*(m for m in want if m in names and m not in have), *info]:
-                if not (dest / name).exists():
-                    _write_whole(dest / name, wheel.read(name))
+            for member in [*(m for m in want if m not in have), *info]:
+                name = _in_wheel(member, names)
+                if name is not None and not (dest / member).exists():
+                    data = wheel.read(name)
+                    _write_whole(dest / member, _installed_record(data) if member.endswith("RECORD") else data)
         _write_whole(stamp, json.dumps(want).encode())
     return dest
+
+
+def _in_wheel(member: str, names: list[str]) -> str | None:
+    """Where the wheel holds ``member`` (a path as installed): at that path, or under the wheel's
+    ``<dist>.data/purelib/`` or ``platlib/`` (OpenRLHF's wheels put their package there)."""
+    if member in names:
+        return member
+    for name in names:
+        head, _, rest = name.partition("/")
+        if head.endswith(".data") and rest.partition("/")[0] in ("purelib", "platlib"):
+            if rest.partition("/")[2] == member:
+                return name
+    return None
+
+
+def _installed_record(data: bytes) -> bytes:
+    """A wheel's RECORD as pip installs it: rows under ``<dist>.data/purelib/`` (or ``platlib/``)
+    name the installed path."""
+    rows = []
+    for row in data.decode().splitlines(keepends=True):
+        head, _, rest = row.partition("/")
+        if head.endswith(".data") and rest.startswith(("purelib/", "platlib/")):
+            row = rest.partition("/")[2]
+        rows.append(row)
+    return "".join(rows).encode()
 
 
 def _members_had(stamp: Path) -> list[str]:

@@ -56,6 +56,9 @@ Nothing here imports torch at import time.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +99,34 @@ class Fp32HeadForward:
         return f"Fp32HeadForward(mode={self.mode!r})"
 
     def __call__(self, head: Any, input: torch.Tensor) -> torch.Tensor:
+        instead = _INSTEAD_OF_LOGITS.get()
+        if instead is not None and instead[0] is head:
+            return instead[1](input, head.weight)
         return fp32_linear(input, head.weight, head.bias, self.mode)
+
+
+# (head, compute) while ``instead_of_logits`` holds: that head's next calls return compute's result
+_INSTEAD_OF_LOGITS: contextvars.ContextVar[tuple[Any, Callable[..., Any]] | None] = contextvars.ContextVar(
+    "fp32patch_instead_of_logits", default=None
+)
+
+
+@contextlib.contextmanager
+def instead_of_logits(head: Any, compute: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Within the block, a call of ``head`` (a head ``apply_fp32_lm_head`` converted) returns
+    ``compute(hidden, weight)`` instead of its logits: a stack that needs per-token log-probs, not
+    the [..., V] logits, computes them from the head's input and its weight *inside* the head's
+    call, where the trainer's hooks have gathered the weight (DeepSpeed ZeRO-3) and, as for the
+    stock head, gather it again before the backward of the tensor ``compute`` returns."""
+    if _mode_of(head) is None:
+        raise UnsupportedLmHeadError(
+            f"fp32 LM head: {type(head).__name__} was not converted by apply_fp32_lm_head; nothing would call compute"
+        )
+    token = _INSTEAD_OF_LOGITS.set((head, compute))
+    try:
+        yield
+    finally:
+        _INSTEAD_OF_LOGITS.reset(token)
 
 
 def apply_fp32_lm_head(model: Any, mode: Any) -> Any:

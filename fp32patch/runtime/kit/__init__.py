@@ -9,8 +9,9 @@ The kit (pure Python, no torch at import):
 - ``kit.config``: reading configs (plain dicts from DictConfig/pydantic, sections, the trainer
   key's value with its hints, near-miss keys) and the measured case against one side alone.
 - ``kit.rollout``: the rollout's switches: vLLM's variable under both names (read from a config's
-  ``env_vars`` or the environment, set in a rollout process), vLLM's own ``head_dtype`` (0.26+),
-  SGLang's ``enable_fp32_lm_head``; the installed vLLM's release under any distribution name.
+  ``env_vars`` or the environment, set in a rollout process or in a Ray actor's ``runtime_env``),
+  vLLM's own ``head_dtype`` (0.26+), SGLang's ``enable_fp32_lm_head``; the installed vLLM's release
+  under any distribution name and the route it takes (``vllm_route``).
 - ``kit.sglang``: SGLang as a rollout engine: its flag (``sglang_args``, re-exported by
   ``kit.rollout``), the guard's SGLang hazards (``check_server_args``, ``sglang_hazards``), and the
   probe of a server, an in-process ``Engine`` or tokenizer manager (its arguments read, the grade of
@@ -23,8 +24,8 @@ The kit (pure Python, no torch at import):
   computes it with ``kernels.chunked_logprobs`` in that head's mode, and any other weight keeps
   the stack's own kernel.
 
-What a stack provides (``fp32patch/runtime/<stack>/``, each file short; NeMo-RL, verl and TRL
-are the examples to copy):
+What a stack provides (``fp32patch/runtime/<stack>/``, each file short; NeMo-RL, verl, TRL and
+OpenRLHF are the examples to copy):
 
 1. ``config.py``: ``STACK = Stack(...)``; its rules, ``validate_fp32_lm_head_config(config,
    **kw) -> Settings`` (a frozen dataclass with ``notes``): where its trainer switch lives and

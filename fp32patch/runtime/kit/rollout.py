@@ -120,6 +120,64 @@ def head_dtype_overrides(hf_overrides: Mapping[str, Any] | None, *, key: str, mo
     return overrides
 
 
+# vLLM's own head_dtype (hf_overrides) exists from this release on; earlier ones need the variable
+HEAD_DTYPE_SINCE = (0, 26)
+
+
+def vllm_route(version: tuple[int, ...] | None) -> str:
+    """How a rollout turns vLLM's fp32 head on for vLLM ``version`` (``installed_vllm_version()``):
+    ``"head_dtype"`` (0.26 and later: vLLM's own, through the engine's ``hf_overrides``) or
+    ``"variable"`` (earlier: fp32patch's vLLM patch, read from the switch in the workers'
+    environment). None (no vLLM here) is refused: nothing could say which."""
+    if version is None:
+        raise Fp32LmHeadConfigError(
+            "no vLLM is installed in this process, so fp32patch cannot tell how to turn its fp32 LM head on "
+            "(vLLM 0.26+: head_dtype; earlier: fp32patch's vLLM patch and its variable)"
+        )
+    return "head_dtype" if tuple(version[:2]) >= HEAD_DTYPE_SINCE else "variable"
+
+
+def ray_runtime_env(
+    runtime_env: Mapping[str, Any] | None, mode: str | None, *, key: str, where: str, logger: logging.Logger
+) -> dict[str, Any]:
+    """Ray's ``runtime_env`` for a rollout actor whose vLLM reads fp32patch's variable (vLLM before
+    0.26): ``env_vars`` gets the switch "1" where the key is on (``mode``), so the actor, the
+    engine's processes and the Ray workers of its tensor-parallel group (Ray's children inherit
+    their parent's runtime environment) all see it. The actor's own ``env_vars`` are kept; a switch
+    there that contradicts the key is refused, as an on switch with the key off is."""
+    merged = dict(runtime_env or {})
+    env_vars = dict(merged.get("env_vars") or {})
+    try:
+        found = vllm_switch({k: str(v) for k, v in env_vars.items()})
+    except ValueError as exc:
+        raise Fp32LmHeadConfigError(f"fp32patch ({where}): {exc} (in the Ray actor's runtime_env)") from None
+    if found is not None and found[1] not in VLLM_ON_VALUES and found[1] not in VLLM_OFF_VALUES:
+        raise Fp32LmHeadConfigError(
+            f"fp32patch ({where}): {found[0]}={found[1]!r} in the rollout's Ray runtime_env is not valid; "
+            f"valid values: {VLLM_VALUES_TEXT}"
+        )
+    if mode is None:
+        if found is not None and found[1] in VLLM_ON_VALUES:
+            raise Fp32LmHeadConfigError(
+                f'fp32patch ({where}): {found[0]}="{found[1]}" in the rollout\'s Ray runtime_env but {key} is off: the '
+                f"rollout would compute fp32 logits and the trainer bf16 ones. Set {key} instead of the variable"
+            )
+        return merged
+    if found is not None and found[1] not in VLLM_ON_VALUES:
+        raise Fp32LmHeadConfigError(
+            f'fp32patch ({where}): {key} is {mode!r} but {found[0]}="{found[1]}" in the rollout\'s Ray runtime_env: '
+            "the two disagree. Remove the variable; the key sets it"
+        )
+    if found is None:
+        env_vars[VLLM_ENV_VAR] = "1"
+    merged["env_vars"] = env_vars
+    name = found[0] if found is not None else VLLM_ENV_VAR
+    logger.info(
+        "fp32patch (%s): %s=%s in the rollout's Ray runtime_env (%s=%r)", where, name, env_vars[name], key, mode
+    )
+    return merged
+
+
 def installed_vllm_version() -> tuple[int, ...] | None:
     """The release of the vLLM this interpreter imports, as (major, minor, micro), read from the
     distribution that installs the ``vllm`` package, whatever its name (``vllm``, vLLM's CPU build
