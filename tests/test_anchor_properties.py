@@ -23,6 +23,9 @@ after it and after the server's client) and trl/trainer/utils.py (add_fused_lm_h
 kernel) from its wheel, likewise each with the other six target files unchanged beside it. For
 openrlhf-fp32-lm-head, OpenRLHF 0.11.2's models/actor.py (Actor.forward's model call, entropy and
 log-probs, each replaced through the gate) from its wheel, with the other five target files.
+For slime-fp32-lm-head (slime is not on PyPI), the stand-in checkout's sglang_engine.py (tests/fixtures/
+slime_src: each server's arguments, the probe after the server is launched or reached, one of them
+in an ``else`` branch), the other two target files unchanged beside it.
 """
 
 from __future__ import annotations
@@ -803,13 +806,13 @@ class _StripSetup(ast.NodeTransformer):
 def _follows(func: ast.AST, first: str, then: str, *, step: int = 1) -> None:
     """In ``func``, the statement right after (``step=-1``: right before) the one that starts with ``first`` is ``then``."""
     for node in ast.walk(func):
-        body = getattr(node, "body", None)
-        if not isinstance(body, list):
-            continue
-        for i, stmt in enumerate(body):
-            if ast.unparse(stmt).startswith(first) and 0 <= i + step < len(body):
-                assert ast.unparse(body[i + step]) == then, (first, ast.unparse(body[i + step]))
-                return
+        for body in (getattr(node, name, None) for name in ("body", "orelse", "finalbody")):
+            if not isinstance(body, list):
+                continue
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.stmt) and ast.unparse(stmt).startswith(first) and 0 <= i + step < len(body):
+                    assert ast.unparse(body[i + step]) == then, (first, ast.unparse(body[i + step]))
+                    return
     raise AssertionError(f"no statement starting with {first!r}")
 
 
@@ -1563,6 +1566,63 @@ _actor_correct = _anchored_correct(
 )
 
 
+# ---------------------------------------------------------------- slime-fp32-lm-head on the stand-in slime checkout
+
+SLIME_ENGINE = "slime/backends/sglang_utils/sglang_engine.py"
+INIT_NORMAL = "self._init_normal(server_args_dict)"
+INIT_EXTERNAL = "self._init_external("
+SERVER_ARGS_RETURN = "return kwargs, external_engine_need_check_fields"
+
+
+def _slime_checkout() -> dict[str, str]:
+    """The stand-in slime checkout's target files (tests/fixtures/slime_src: slime's shapes, not its code)."""
+    from tests.fixtures.slime_shapes import PATCHED, SRC
+
+    return {p: (SRC / p).read_text() for p in PATCHED}
+
+
+def _engine_init(tree: ast.Module) -> ast.AST:
+    return _path(tree, "SGLangEngine", "init")
+
+
+def _compute_server_args(tree: ast.Module) -> ast.AST:
+    return _path(tree, "_compute_server_args")
+
+
+def _slime_engine_mutations(spec: Spec) -> list[Mutation]:
+    normal = _stmt_in(_engine_init, INIT_NORMAL)
+    returned = _stmt_in(_compute_server_args, "return (kwargs, external_engine_need_check_fields)")
+    return [
+        *_shared_benign(spec, [_engine_init, _compute_server_args], lambda t: _path(t, "SGLangEngine")),
+        # decoys: the anchors where the spec does not look
+        Mutation(
+            "module-level-namesakes",
+            append(
+                f"def init(self, server_args_dict):\n    {INIT_NORMAL}\n\n\n"
+                f"def _compute_router_args(kwargs, external_engine_need_check_fields):\n    {SERVER_ARGS_RETURN}\n"
+            ),
+        ),
+        Mutation("other-return", insert_at(returned, _block("if not kwargs:\n    return ({}, [])"))),
+        # breaking: each must be refused
+        Mutation("init-normal-twice", insert_at(normal, _block(INIT_NORMAL)), breaking=True),
+        Mutation("init-normal-moved-into-nested-def", moved_into_nested(normal, "_later"), breaking=True),
+        Mutation("return-changed", _on_line(returned, "return kwargs,", "return dict(kwargs),"), breaking=True),
+        Mutation("init-renamed", _on_line(_engine_init, "def init(", "def start("), breaking=True),
+        Mutation("gate-name-clash", append("def _fp32patch_probe_engine(*args):\n    pass\n"), breaking=True),
+    ]
+
+
+_slime_engine_correct = _anchored_correct(
+    "slime-fp32-lm-head",
+    SLIME_ENGINE,
+    [
+        (("SGLangEngine", "init"), INIT_NORMAL, "probe"),
+        (("SGLangEngine", "init"), INIT_EXTERNAL, "probe-external"),
+        (("_compute_server_args",), "return (kwargs, external_engine_need_check_fields)", "server-args"),
+    ],
+)
+
+
 # ---------------------------------------------------------------- the property
 
 
@@ -1691,6 +1751,18 @@ CASES = [
             ("vllm-generation", TRL_GENERATION, _generation_mutations, _generation_correct, 5),
             ("fused-lm-head", TRL_UTILS, _fused_mutations, _fused_correct, 5),
         )
+    ),
+    Case(
+        "slime-fp32-lm-head",
+        "slime-fixture-sglang-engine",
+        lambda: _slime_checkout()[SLIME_ENGINE],
+        None,
+        SLIME_ENGINE,
+        _slime_engine_mutations,
+        _slime_engine_correct,
+        "all",
+        8,
+        others=lambda: {p: t.encode() for p, t in _slime_checkout().items() if p != SLIME_ENGINE},
     ),
     Case(
         "sglang-fp32-lm-head",
