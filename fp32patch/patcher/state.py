@@ -23,6 +23,7 @@ from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_fol
 
 # state folders this process made or wrote (by path: the lock and the writes use their own StateDir)
 _touched: set[str] = set()
+_made: set[str] = set()  # ... and of those, the ones it made
 
 
 def sha256(data: bytes) -> str:
@@ -60,6 +61,8 @@ class StateDir:
             with contextlib.suppress(FileExistsError):  # another process made it first
                 folder.mkdir(mode=bits)
                 self.touch()
+                if folder == self.path:
+                    _made.add(str(self.path))
             self.real_dir(folder)
 
     def _file_bits(self) -> int:
@@ -88,8 +91,10 @@ class StateDir:
         _touched.add(str(self.path))
 
     def untouch(self) -> None:
-        """Keep the folder as it is (a refusal: its kept originals may be the way back)."""
-        _touched.discard(str(self.path))
+        """Keep the folder as it is (a refusal: its kept originals may be the way back), unless this
+        process made it."""
+        if str(self.path) not in _made:
+            _touched.discard(str(self.path))
 
     def tidy(self) -> None:
         """The whole folder goes when nothing of ours is recorded here and this process made the folder
@@ -99,6 +104,7 @@ class StateDir:
         if str(self.path) not in _touched:
             return
         _touched.discard(str(self.path))
+        _made.discard(str(self.path))
         try:
             manifest = mf.loads(read_no_follow(self.manifest_path), str(self.manifest_path))
         except FileNotFoundError:
