@@ -10,6 +10,7 @@ import base64
 import csv
 import hashlib
 import io
+from collections.abc import Callable
 
 
 def record_hash(data: bytes) -> str:
@@ -22,23 +23,13 @@ def rewrite_record(record: bytes, relpath: str, data: bytes) -> bytes | None:
     Only that row's text changes: every other byte (order, quoting, line endings) stays,
     so a revert gives back the RECORD it found. A RECORD that is not UTF-8 CSV is left alone.
     """
-    try:
-        lines = record.decode("utf-8").splitlines(keepends=True)
-    except UnicodeDecodeError:
-        return None
-    hit = False
-    for i, line in enumerate(lines):
-        body = line.rstrip("\r\n")
-        try:
-            row = next(csv.reader([body]), [])
-        except csv.Error:
-            continue
-        if row and row[0] == relpath:
-            out = io.StringIO()
-            csv.writer(out, lineterminator="").writerow([row[0], record_hash(data), str(len(data)), *row[3:]])
-            lines[i] = out.getvalue() + line[len(body) :]
-            hit = True
-    return "".join(lines).encode("utf-8") if hit else None
+
+    def with_hash(row: list[str], body: str) -> str:
+        out = io.StringIO()
+        csv.writer(out, lineterminator="").writerow([row[0], record_hash(data), str(len(data)), *row[3:]])
+        return out.getvalue()
+
+    return _replace_row(record, relpath, with_hash)
 
 
 def row_of(record: bytes, relpath: str) -> str | None:
@@ -59,6 +50,13 @@ def row_of(record: bytes, relpath: str) -> str | None:
 
 def put_row(record: bytes, relpath: str, text: str) -> bytes | None:
     """RECORD with ``relpath``'s row set back to ``text`` exactly (as ``row_of`` read it); None if it has no row."""
+    return _replace_row(record, relpath, lambda row, body: text)
+
+
+def _replace_row(record: bytes, relpath: str, new_text: Callable[[list[str], str], str]) -> bytes | None:
+    """RECORD with each of ``relpath``'s rows written anew by ``new_text(row, line)`` (the parsed
+    row and its text without the line ending), every other byte kept; None if it has no row or
+    is not UTF-8."""
     try:
         lines = record.decode("utf-8").splitlines(keepends=True)
     except UnicodeDecodeError:
@@ -71,7 +69,7 @@ def put_row(record: bytes, relpath: str, text: str) -> bytes | None:
         except csv.Error:
             continue
         if row and row[0] == relpath:
-            lines[i] = text + line[len(body) :]
+            lines[i] = new_text(row, body) + line[len(body) :]
             hit = True
     return "".join(lines).encode("utf-8") if hit else None
 

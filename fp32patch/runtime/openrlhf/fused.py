@@ -48,22 +48,9 @@ def mark(actor: Any, model: Any, mode: str, *, role: str) -> Any:
     """Route ``actor``'s log-probs through fp32patch's chunked piece in ``mode``; ``model`` is the
     HF model (or PEFT's wrapper) whose head ``heads.hf`` converted. Refuses a head the chunked
     piece cannot compute (a bias, a final soft-cap). Returns ``actor``."""
-    from fp32patch.runtime.heads.hf import _find_head
+    from fp32patch.runtime.heads.hf import chunkable_head
 
-    head, where = _find_head(model)
-    if getattr(head, "bias", None) is not None:
-        raise UnsupportedLmHeadError(
-            f"fp32 LM head: the {role}'s {where} has a bias, which fp32patch's chunked log-probs do not add; "
-            "drop --fp32_lm_head for this model"
-        )
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise UnsupportedLmHeadError(
-            f"fp32 LM head: the {role}'s model caps its logits (final_logit_softcapping={softcap}), which "
-            "fp32patch's chunked log-probs do not do; drop --fp32_lm_head for this model"
-        )
+    head, _ = chunkable_head(model, role=role, turn_off="drop --fp32_lm_head")
     # plain attributes: a module here would become a submodule of the actor (and of its state dict)
     setattr(actor, MARK, mode)
     setattr(actor, HEAD, weakref.ref(head))

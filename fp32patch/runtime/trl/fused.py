@@ -46,23 +46,10 @@ def marked_mode(model: Any) -> str | None:
 def mark(model: Any, mode: str, *, role: str) -> Any:
     """Route ``model``'s chunked log-probs through ``ChunkedLogProbs(mode)`` (and tell the rollout
     the switch is on); refuses a head the chunked piece cannot compute. Returns ``model``."""
-    from fp32patch.runtime.heads.hf import _check_convertible, _find_head
+    from fp32patch.runtime.heads.hf import _check_convertible, _find_head, chunkable_head
 
-    head, where = _find_head(model)
-    _check_convertible(head, where)
-    if getattr(head, "bias", None) is not None:
-        raise UnsupportedLmHeadError(
-            f"fp32 LM head: the {role}'s {where} has a bias, which fp32patch's chunked log-probs do not add; "
-            "turn fp32_lm_head off for this model"
-        )
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise UnsupportedLmHeadError(
-            f"fp32 LM head: the {role}'s model caps its logits (final_logit_softcapping={softcap}), which "
-            "fp32patch's chunked log-probs do not do; turn fp32_lm_head off for this model"
-        )
+    _check_convertible(*_find_head(model))  # first: an adapter on the head is the refusal users meet
+    chunkable_head(model, role=role, turn_off="turn fp32_lm_head off")
     setattr(model, MARK, mode)
     return model
 
