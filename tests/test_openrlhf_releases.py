@@ -33,7 +33,7 @@ from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.openrlhf import MARK, check_config
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle
+from tests.support.lifecycle import lifecycle, without_ours
 from tests.support.pypi import import_root_from_members, member_files
 
 pytestmark = pytest.mark.network
@@ -144,18 +144,6 @@ def _is_ours(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Expr) and first.startswith("_fp32patch_")
 
 
-def _without_ours(node: ast.AST) -> tuple[ast.AST, int]:
-    removed = 0
-    for field in ("body", "orelse", "finalbody", "handlers"):
-        stmts = getattr(node, field, None)
-        if isinstance(stmts, list):
-            kept = [s for s in stmts if not (isinstance(s, ast.stmt) and _is_ours(s))]
-            removed += len(stmts) - len(kept)
-            setattr(node, field, kept)
-            removed += sum(_without_ours(s)[1] for s in kept)
-    return node, removed
-
-
 class _Stock(ast.NodeTransformer):
     """The replacing edits undone: each gate call read as the expression it stands in for."""
 
@@ -188,7 +176,7 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
 
     for key, path in FILES.items():
         assert [n.name for n in trees[key].body if getattr(n, "name", "").startswith("_fp32patch_")] == gate, path
-        stripped, removed = _without_ours(_Stock().visit(ast.parse(patched[path])))
+        stripped, removed = without_ours(_Stock().visit(ast.parse(patched[path])), _is_ours)
         assert removed == len(gate) + inserted[key], (path, removed)
         assert ast.dump(stripped) == ast.dump(ast.parse(originals[path])), f"{path}: more changed than the edits"
         compile(patched[path], path, "exec", dont_inherit=True)

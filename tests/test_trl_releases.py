@@ -22,7 +22,7 @@ from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.trl.fused import MARK
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle
+from tests.support.lifecycle import lifecycle, without_ours
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -126,19 +126,6 @@ def _is_ours(stmt: ast.stmt) -> bool:
     return not isinstance(stmt, (ast.ClassDef, ast.With)) and "_fp32patch_" in ast.unparse(stmt).split("\n")[0]
 
 
-def _without_ours(node: ast.AST) -> tuple[ast.AST, int]:
-    """``node`` with what the patch inserted taken out, and how many statements that was."""
-    removed = 0
-    for field in ("body", "orelse", "finalbody", "handlers"):
-        stmts = getattr(node, field, None)
-        if isinstance(stmts, list):
-            kept = [s for s in stmts if not (isinstance(s, ast.stmt) and _is_ours(s))]
-            removed += len(stmts) - len(kept)
-            setattr(node, field, kept)
-            removed += sum(_without_ours(s)[1] for s in kept)
-    return node, removed
-
-
 class _StockKernel(ast.NodeTransformer):
     """The fused-kernel edit undone: ``_fp32patch_fused_kernel(self, K).apply`` read as ``K.apply``."""
 
@@ -182,7 +169,7 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
         path = FILES[key]
         helpers = [] if key == "config" else gate
         assert [n.name for n in tree.body if getattr(n, "name", "").startswith("_fp32patch_")] == helpers, path
-        stripped, removed = _without_ours(_StockKernel().visit(ast.parse(patched[path])))
+        stripped, removed = without_ours(_StockKernel().visit(ast.parse(patched[path])), _is_ours)
         assert removed == len(helpers) + inserted[key], (path, removed)
         assert ast.dump(stripped) == ast.dump(ast.parse(originals[path])), f"{path}: more changed than the edits"
         compile(patched[path], path, "exec", dont_inherit=True)  # fmt: skip

@@ -25,7 +25,7 @@ import fp32patch
 from fp32patch.patcher.spec import load_specs
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle
+from tests.support.lifecycle import lifecycle, without_ours
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -250,19 +250,6 @@ def _is_ours(stmt: ast.stmt) -> bool:
     return not isinstance(stmt, ast.ClassDef) and "_fp32patch_" in ast.unparse(stmt).split("\n")[0]
 
 
-def _without_ours(node: ast.AST) -> tuple[ast.AST, int]:
-    """``node`` with what the patch inserted taken out (before looking inside), and how many statements that was."""
-    removed = 0
-    for field in ("body", "orelse", "finalbody", "handlers"):
-        stmts = getattr(node, field, None)
-        if isinstance(stmts, list):
-            kept = [s for s in stmts if not (isinstance(s, ast.stmt) and _is_ours(s))]
-            removed += len(stmts) - len(kept)
-            setattr(node, field, kept)
-            removed += sum(_without_ours(s)[1] for s in kept)
-    return node, removed
-
-
 def _changed(version: str) -> set[str]:
     """The files the patch changes in ``version``."""
     keys = {"model", "guard", "fsdp", "megatron", "sglang", "fused_torch", "fused_triton"}
@@ -318,7 +305,7 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
         path = FILES[key]
         helpers = [] if key == "model" else gate
         assert [n.name for n in tree.body if getattr(n, "name", "").startswith("_fp32patch_")] == helpers, path
-        stripped, removed = _without_ours(ast.parse(patched[path]))
+        stripped, removed = without_ours(ast.parse(patched[path]), _is_ours)
         assert removed == len(helpers) + inserted[key], (path, removed)
         assert ast.dump(stripped) == ast.dump(ast.parse(originals[path])), f"{path}: more changed than the edits"
         compile(patched[path], path, "exec", dont_inherit=True)

@@ -87,3 +87,17 @@ def gate_namespace(source: bytes) -> tuple[dict[str, Any], list[str]]:
     namespace: dict[str, Any] = {"__builtins__": {**vars(builtins), "__import__": recording_import}}
     exec(compile(ast.Module(body=defs, type_ignores=[]), "gate", "exec"), namespace)  # noqa: S102
     return namespace, imported
+
+
+def without_ours(node: ast.AST, is_ours: Callable[[ast.stmt], bool]) -> tuple[ast.AST, int]:
+    """``node`` with the statements a patch inserted (``is_ours``) taken out, in every block at any
+    depth (before looking inside), and how many statements that was."""
+    removed = 0
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        stmts = getattr(node, field, None)
+        if isinstance(stmts, list):
+            kept = [s for s in stmts if not (isinstance(s, ast.stmt) and is_ours(s))]
+            removed += len(stmts) - len(kept)
+            setattr(node, field, kept)
+            removed += sum(without_ours(s, is_ours)[1] for s in kept)
+    return node, removed

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from tests.heavy import roots
 
 REPO = Path(__file__).resolve().parents[3]
 SITE = Path(sysconfig.get_paths()["purelib"])
@@ -31,22 +31,7 @@ def patched_root() -> Path:
     """A copy of the environment's ``openrlhf`` and hardlinks of its ``vllm`` (each with its
     ``.dist-info``) in a temp folder beside the environment, patched by fp32patch's CLI: nothing
     of the environment changes (the patcher replaces files, never writes through a link)."""
-    parent = Path(sys.prefix).parent / "patched-roots"
-    parent.mkdir(exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=f"{Path(sys.prefix).name}-openrlhf-", dir=parent))
-    for item in [SITE / "openrlhf", *SITE.glob("openrlhf-*.dist-info")]:
-        shutil.copytree(item, root / item.name, ignore=shutil.ignore_patterns("__pycache__"))
-    for item in [SITE / "vllm", *SITE.glob("vllm*.dist-info")]:
-        shutil.copytree(item, root / item.name, copy_function=os.link)
-    subprocess.run(
-        [sys.executable, "-m", "fp32patch", "apply", "-s", str(root)],
-        check=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL,
-    )
-    assert MARKER in (root / "openrlhf" / "models" / "actor.py").read_text()
-    return root
+    return roots.patched_root("openrlhf", "openrlhf/models/actor.py", label="openrlhf-")
 
 
 def environ(root: Path | None, plugin_dir: Path | None = None) -> dict[str, str]:

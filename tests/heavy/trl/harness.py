@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from tests.heavy import roots
 
 REPO = Path(__file__).resolve().parents[3]
 SITE = Path(sysconfig.get_paths()["purelib"])
@@ -31,22 +31,7 @@ def patched_root() -> Path:
     """A copy of the environment's ``trl`` and hardlinks of its ``vllm`` (each with its
     ``.dist-info``) in a temp folder beside the environment, patched by fp32patch's CLI: nothing
     of the environment changes (the patcher replaces files, never writes through a link)."""
-    parent = Path(sys.prefix).parent / "patched-roots"
-    parent.mkdir(exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=f"{Path(sys.prefix).name}-", dir=parent))
-    for item in [SITE / "trl", *SITE.glob("trl-*.dist-info")]:
-        shutil.copytree(item, root / item.name, ignore=shutil.ignore_patterns("__pycache__"))
-    for item in [SITE / "vllm", *SITE.glob("vllm*.dist-info")]:
-        shutil.copytree(item, root / item.name, copy_function=os.link)
-    subprocess.run(
-        [sys.executable, "-m", "fp32patch", "apply", "-s", str(root)],
-        check=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL,
-    )
-    assert MARKER in (root / "trl" / "trainer" / "utils.py").read_text()
-    return root
+    return roots.patched_root("trl", "trl/trainer/utils.py", marker=MARKER)
 
 
 def environ(plugin_dir: Path, root: Path | None, extra: tuple[Path, ...] = ()) -> dict[str, str]:
