@@ -16,8 +16,9 @@ ids) is checked against the second sequence run alone. What the stand-in leaves 
 flash-attn's attention kernels, its Triton cross-entropy (``log_probs_from_logits`` takes its
 chunked-logsumexp branch, stock and off), ring attention.
 
-Not run here: one process without DeepSpeed, LoRA, the reference and EMA actors (the same
-``Actor`` class, wired by the same gate), OpenRLHF's ``DeepspeedStrategy.setup_distributed`` and
+Not run here: the EMA actor (the same
+``Actor`` class, wired by the same gate; one process without DeepSpeed, a LoRA policy and the
+reference model run in test_lora.py), OpenRLHF's ``DeepspeedStrategy.setup_distributed`` and
 ``prepare`` (CUDA only; ``actor_run.py`` says what it takes from the strategy instead).
 """
 
