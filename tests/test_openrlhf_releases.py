@@ -33,7 +33,7 @@ from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.openrlhf import MARK, check_config
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle, without_ours
+from tests.support.lifecycle import lifecycle, neighbour, without_ours
 from tests.support.pypi import import_root_from_members, member_files
 
 pytestmark = pytest.mark.network
@@ -122,18 +122,6 @@ def _scope(tree: ast.Module, cls: str | None, name: str | None) -> ast.AST:
     return next(n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
 
 
-def _neighbour(scope: ast.AST, anchor: str, where: str) -> str:
-    hits = []
-    for node in ast.walk(scope):
-        for field in ("body", "orelse", "finalbody"):
-            body = getattr(node, field, None)
-            if isinstance(body, list):
-                hits += [(body, i) for i, s in enumerate(body) if ast.unparse(s).startswith(anchor)]
-    assert len(hits) == 1, (anchor, len(hits))
-    body, i = hits[0]
-    return ast.unparse(body[{"after": i + 1, "before": i - 1, "at": i}[where]])
-
-
 def _is_ours(stmt: ast.stmt) -> bool:
     """A statement the patch inserts: the gate's helpers, the probe's methods, a call of the gate, the flag."""
     if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -165,7 +153,7 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
     trees = {key: ast.parse(patched[path]) for key, path in FILES.items()}
     inserted = dict.fromkeys(FILES, 0)
     for key, cls, func, anchor, where, ours in _edits(version):
-        found = _neighbour(_scope(trees[key], cls, func), anchor, where)
+        found = neighbour(_scope(trees[key], cls, func), anchor, where)
         assert found.startswith(ours), (version, key, anchor, found[:200])
         inserted[key] += where != "at" and not ours.startswith("output['logits']")
     forward = ast.unparse(_scope(trees["actor"], "Actor", "forward"))

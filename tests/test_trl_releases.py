@@ -22,7 +22,7 @@ from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.trl.fused import MARK
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle, without_ours
+from tests.support.lifecycle import lifecycle, neighbour, without_ours
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -98,19 +98,6 @@ def _function(tree: ast.Module, cls: str | None, name: str) -> ast.AST:
     return next(n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
 
 
-def _neighbour(func: ast.AST, anchor: str, where: str) -> str:
-    """The statement right after (or before) the one statement in ``func`` that starts with ``anchor``."""
-    hits = []
-    for node in ast.walk(func):
-        for field in ("body", "orelse", "finalbody"):
-            body = getattr(node, field, None)
-            if isinstance(body, list):
-                hits += [(body, i) for i, s in enumerate(body) if ast.unparse(s).startswith(anchor)]
-    assert len(hits) == 1, (anchor, len(hits))
-    body, i = hits[0]
-    return ast.unparse(body[i + 1 if where == "after" else i - 1])
-
-
 def _field_after(tree: ast.Module, cls: str, name: str) -> str:
     body = next(n for n in tree.body if getattr(n, "name", "") == cls).body
     names = [ast.unparse(s.target) if isinstance(s, ast.AnnAssign) else None for s in body]
@@ -147,7 +134,7 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
     trees = {key: ast.parse(patched[FILES[key]]) for key in changed}
     inserted = dict.fromkeys(changed, 0)
     for key, cls, func, anchor, where, ours in _edits(version):
-        assert _neighbour(_function(trees[key], cls, func), anchor, where) == ours, (version, key, func)
+        assert neighbour(_function(trees[key], cls, func), anchor, where) == ours, (version, key, func)
         inserted[key] += 1
     # the switch is a field of every TRL config (_BaseConfig) and of trl vllm-serve's arguments, off by default
     for key, cls, before in (

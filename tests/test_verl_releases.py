@@ -25,7 +25,7 @@ import fp32patch
 from fp32patch.patcher.spec import load_specs
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle, without_ours
+from tests.support.lifecycle import lifecycle, neighbour, without_ours
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -223,19 +223,6 @@ def _method(tree: ast.Module, cls: str, name: str) -> ast.AST:
     return next(n for n in klass.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
 
 
-def _neighbour(func: ast.AST, anchor: str, where: str) -> str:
-    """The statement right after (or before) the one statement in ``func`` that starts with ``anchor``."""
-    hits = []
-    for node in ast.walk(func):
-        for field in ("body", "orelse", "finalbody"):
-            body = getattr(node, field, None)
-            if isinstance(body, list):
-                hits += [(body, i) for i, s in enumerate(body) if ast.unparse(s).startswith(anchor)]
-    assert len(hits) == 1, (anchor, len(hits))
-    body, i = hits[0]
-    return ast.unparse(body[i + 1 if where == "after" else i - 1])
-
-
 def _first_statement(func: ast.AST) -> str:
     body = func.body[1:] if ast.get_docstring(func) is not None else func.body  # type: ignore[attr-defined]
     return ast.unparse(body[0])
@@ -270,7 +257,7 @@ def _check_edits(version: str, originals: dict[str, bytes], patched: dict[str, b
 
     for versions, key, cls, func, anchor, where, ours in EDITS:
         if version in versions:
-            assert _neighbour(_method(trees[key], cls, func), anchor, where) == ours, (version, key, func)
+            assert neighbour(_method(trees[key], cls, func), anchor, where) == ours, (version, key, func)
             inserted[key] += 1
     # the key is a field of HFModelConfig (verl's structured config refuses unknown keys), off by default
     model = next(n for n in trees["model"].body if getattr(n, "name", "") == "HFModelConfig")

@@ -101,3 +101,17 @@ def without_ours(node: ast.AST, is_ours: Callable[[ast.stmt], bool]) -> tuple[as
             setattr(node, field, kept)
             removed += sum(without_ours(s, is_ours)[1] for s in kept)
     return node, removed
+
+
+def neighbour(scope: ast.AST, anchor: str, where: str) -> str:
+    """The statement right after (``where`` "after"), before ("before") or at ("at") the one
+    statement in ``scope``, at any depth, that starts with ``anchor``."""
+    hits = []
+    for node in ast.walk(scope):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if isinstance(body, list):
+                hits += [(body, i) for i, s in enumerate(body) if ast.unparse(s).startswith(anchor)]
+    assert len(hits) == 1, (anchor, len(hits))
+    body, i = hits[0]
+    return ast.unparse(body[{"after": i + 1, "before": i - 1, "at": i}[where]])
