@@ -113,6 +113,11 @@ def test_an_unpatched_model_file_with_the_variable_set_is_refused(vllm_runtime, 
     model = vllm_runtime.model(stock.NemotronHForCausalLM)
     processor = copy.copy(model.logits_processor)
     processor.__class__ = stock_processor_class
+    if "_fp32patch_native_source" in processor.__dict__:
+        # vLLM 0.26+: the patched constructor turned on vLLM's own head_dtype=float32; the stock
+        # constructor leaves the model's dtype there, so the copy gets what the stock file sets
+        del processor.__dict__["_fp32patch_native_source"]
+        processor.head_dtype = torch.bfloat16
     model.logits_processor = processor
     report = probe_vllm_model(model)
     assert (report["dtype"], report["way"], report["patched"]) == ("bfloat16", "stock", False)
@@ -186,6 +191,11 @@ def test_an_unpatched_logits_processor_is_the_file_named(vllm_runtime, var, stoc
     model = _llama(vllm_runtime)
     processor = copy.copy(model.logits_processor)
     processor.__class__ = stock_processor_class
+    if "_fp32patch_native_source" in processor.__dict__:
+        # vLLM 0.26+: the patched constructor turned on vLLM's own head_dtype=float32; the stock
+        # constructor leaves the model's dtype there, so the copy gets what the stock file sets
+        del processor.__dict__["_fp32patch_native_source"]
+        processor.head_dtype = torch.bfloat16
     model.logits_processor = processor
     report = probe_vllm_model(model)
     assert (report["dtype"], report["way"], report["patched"]) == ("bfloat16", "stock", False)
