@@ -14,6 +14,7 @@ cases to tests/test_ops.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,7 +53,14 @@ def _with_marker(node: cst.CSTNode, text: str, *, blank_before: int = 0) -> cst.
 
 
 def _statements(code: str) -> list[cst.BaseStatement]:
-    return list(cst.parse_module(code.strip("\n") + "\n").body)
+    return list(_parsed_statements(code))
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed_statements(code: str) -> tuple[cst.BaseStatement, ...]:
+    # libcst's nodes are immutable: one parse of a snippet serves every anchor and every file of a run
+    # (a spec inserts the same gate into many files; the release matrices transform them thousands of times)
+    return tuple(cst.parse_module(code.strip("\n") + "\n").body)
 
 
 def _expect(edit: Edit, found: int, what: str, extra: str = "") -> None:
@@ -315,10 +323,14 @@ class InsertExceptHandler(Operation):
 
 
 def _handlers(code: str) -> list[cst.ExceptHandler]:
-    tree = cst.parse_module("try:\n    pass\n" + code.strip("\n") + "\n")
-    stmt = tree.body[0]
+    return list(_parsed_handlers(code))
+
+
+@functools.lru_cache(maxsize=128)
+def _parsed_handlers(code: str) -> tuple[cst.ExceptHandler, ...]:
+    stmt = cst.parse_module("try:\n    pass\n" + code.strip("\n") + "\n").body[0]
     assert isinstance(stmt, cst.Try)
-    return list(stmt.handlers)
+    return tuple(stmt.handlers)
 
 
 PLANNERS: dict[str, Operation] = {
