@@ -1,14 +1,17 @@
 """One process, no DeepSpeed: OpenRLHF 0.11.2's own ``Actor`` with a LoRA adapter on the attention
 (``lora_rank`` 4 on ``q_proj``/``v_proj``: PEFT's ``get_peft_model``, the head not adapted) as the
-policy, and a plain ``Actor`` as the reference model, each wired as the patched
-``PolicyModelActor`` / reference actor wire theirs (the gate fp32patch put in OpenRLHF's files);
-packed input, temperature 0.7, the log-probs and entropy with gradients, a loss, backward.
+policy, a plain ``Actor`` as the reference model and one as the EMA model (built as 0.11.2's
+``PolicyModelActor`` builds it with ``enable_ema``: no temperature, so 1.0), each wired as the
+patched ``PolicyModelActor`` / reference actor wire theirs (the gate fp32patch put in OpenRLHF's
+files); packed input, temperature 0.7, the log-probs and entropy with gradients, a loss, backward.
 
     python -m tests.heavy.openrlhf.lora_run SETTINGS_JSON OUT_DIR
 
-Recorded (``OUT_DIR/run.pt``): per model its action log-probs and entropy, the final norm's hidden
+Recorded (``OUT_DIR/run.pt``): per model its action log-probs and entropy (the EMA model's
+without gradients), the final norm's hidden
 states and the head's weight (for float64 to recompute from the very operands), and for the
-policy the gradients of its LoRA matrices and of the frozen head; whether fp32patch was imported.
+policy the gradients of its LoRA matrices and of the frozen head; the EMA model's parameter names
+and shapes in order (what ``DeepspeedStrategy.moving_average`` zips); whether fp32patch was imported.
 """
 
 from __future__ import annotations
@@ -48,14 +51,17 @@ def main(settings_path: str, out_dir: str) -> None:
                    target_modules=TARGETS, packing_samples=True, temperature=TEMPERATURE)  # fmt: skip
     reference = Actor(settings["model"], attn_implementation="sdpa", param_dtype="bf16", packing_samples=True,
                       temperature=TEMPERATURE)  # fmt: skip
+    ema = Actor(settings["model"], attn_implementation="sdpa", param_dtype="bf16", packing_samples=True)
     if switch is not None:
         actor_module._fp32patch_wire(policy, args, "actor")
         actor_module._fp32patch_wire(reference, args, "reference model")
+        actor_module._fp32patch_wire(ema, args, "EMA model")
     base = policy.model.get_base_model()
     vocab = base.config.vocab_size
     sequences, attention_mask, action_mask = batch(0, vocab)
     with torch.no_grad():
         ref = _forward(reference, reference.model, sequences, attention_mask, action_mask, grad=False)
+        ema_out = _forward(ema, ema.model, sequences, attention_mask, action_mask, grad=False)
     out = _forward(policy, base, sequences, attention_mask, action_mask, grad=True)
     mask = action_mask.float()
     kl = ((out["log_probs"] - ref["log_probs"]) * mask).sum() / mask.sum()
@@ -67,6 +73,8 @@ def main(settings_path: str, out_dir: str) -> None:
     record = {
         "policy": {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()},
         "reference": {k: (v.detach() if torch.is_tensor(v) else v) for k, v in ref.items()},
+        "ema": ema_out,
+        "ema_params": [(n, tuple(p.shape)) for n, p in ema.named_parameters()],
         "lora_grads": lora,
         "lora_params": sum(1 for n, _ in policy.model.named_parameters() if "lora_" in n),
         "head_requires_grad": base.lm_head.weight.requires_grad,

@@ -49,13 +49,13 @@ def actor_runs(tmp_path_factory, model_dir, patched_root):
     return get
 
 
-def _float64(rec: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _float64(rec: dict, temperature: float = TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
     """The action tokens' log-probs and entropies, in float64, from the hidden states and the head
     weight the forward met: each packed row's logits over the vocabulary, divided by the temperature."""
     seqs, mask = rec["sequences"], rec["attention_mask"]
     batch, seqlen = seqs.shape
     rows = torch.nonzero(mask.flatten()).flatten()  # the packed rows' places in [batch, seqlen]
-    logits = (rec["hidden"][0].double() @ rec["weight"].double().T) / TEMPERATURE
+    logits = (rec["hidden"][0].double() @ rec["weight"].double().T) / temperature
     logp = torch.log_softmax(logits, -1)
     full_lp = torch.zeros(batch * seqlen, dtype=torch.float64)
     full_ent = torch.zeros(batch * seqlen, dtype=torch.float64)
