@@ -59,6 +59,9 @@ def _fp32patch(*args, prelude: str = "", user: int | None = None, fsize: int | N
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
 
     def limit() -> None:
+        # Ctrl-C as a terminal delivers it: a harness that ignores SIGINT (nohup, a background job of a
+        # script) would pass SIG_IGN on, and the CLI keeps an ignored SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
