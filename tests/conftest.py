@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,10 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def default_sigint() -> None:
+    """A CLI process's ``preexec_fn``: Ctrl-C as a terminal delivers it. An ignored SIGINT is inherited
+    (a shell's background job, ``nohup``, an xdist worker after earlier tests pass SIG_IGN on), Python
+    then never raises KeyboardInterrupt, and the CLI rightly keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

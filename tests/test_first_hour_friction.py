@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import zipfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, default_sigint, tree_digest
 from tests.support.pypi import import_root_from_members, member_files
 
 pytestmark = pytest.mark.network
@@ -90,13 +89,6 @@ def test_verify_fails_where_revert_would_refuse(vllm_root, vllm_stock, cli, tmp_
         assert (vllm_root / rel).read_bytes() == (vllm_stock / rel).read_bytes()
 
 
-def _default_sigint() -> None:
-    # An ignored SIGINT is inherited (a shell's background job has one; so did an xdist worker of a full
-    # run, after earlier tests), and Python then never raises KeyboardInterrupt: the CLI under test gets
-    # Ctrl-C as a terminal delivers it.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PYTHONPATH": str(REPO), **env}
     return subprocess.run(
@@ -104,7 +96,7 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         env=environ,
-        preexec_fn=_default_sigint,
+        preexec_fn=default_sigint,
     )
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, default_sigint, tree_digest
 
 pytestmark = pytest.mark.network
 
@@ -58,14 +58,14 @@ def _fp32patch(*args, prelude: str = "", user: int | None = None, fsize: int | N
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
 
-    def limit() -> None:
-        # Ctrl-C as a terminal delivers it: a harness that ignores SIGINT (nohup, a background job of a
-        # script) would pass SIG_IGN on, and the CLI keeps an ignored SIGINT ignored
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    def in_child() -> None:
+        default_sigint()
         if fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    return subprocess.run(argv, capture_output=True, text=True, env=_env(**env), timeout=300, cwd="/", preexec_fn=limit)
+    return subprocess.run(
+        argv, capture_output=True, text=True, env=_env(**env), timeout=300, cwd="/", preexec_fn=in_child
+    )
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 not adapted (PEFT's adapter on q_proj and v_proj), a plain reference model and an EMA model, wired
 by the patched files' gate (``lora_run.py``): with ``--fp32_lm_head fp32out`` the three models'
 log-probs and entropy equal float64's of the operands the head met (the EMA model's at its own
-temperature, 1.0), the EMA model's parameters pair with stock's one for one, the adapter's matrices get finite gradients
-through fp32patch's chunked log-probs, the frozen head gets none; off, stock bit for bit."""
+temperature, 1.0), the EMA model's parameters pair with stock's one for one, the adapter's matrices
+get finite gradients through fp32patch's chunked log-probs, the frozen head gets none; off, stock
+bit for bit."""
 
 from __future__ import annotations
 
