@@ -10,32 +10,58 @@ found a problem, 2 bad usage or input (nothing written), 3 a patch cannot be app
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 
 
-def _interrupted_starting(*_) -> None:
-    """Ctrl-C while the CLI itself is still loading (typer, rich): a line, not a traceback; nothing was written."""
-    message = "interrupted (Ctrl-C) while fp32patch was starting; nothing was written; exit 130"
-    if "--json" in sys.argv[1:]:
-        sys.stdout.write('{\n  "ok": false,\n  "error": "' + message + '",\n  "patches": []\n}\n')
-    sys.stderr.write(message + "\n")
-    raise SystemExit(130)
+def _wants_json(argv: list[str]) -> bool:
+    """``--json`` as a flag, or with a value it does not take (``--json=1``: a usage error, answered in JSON)."""
+    return any(a == "--json" or a.startswith("--json=") for a in argv)
 
 
-def _catch_ctrl_c_while_starting():
-    """The previous SIGINT handler (None outside the main thread, where no signal is delivered)."""
+_CTRL_C = "interrupted (Ctrl-C) before fp32patch changed anything; nothing was written; exit 130"
+
+
+def _interrupted(*_) -> None:
+    """Ctrl-C in the CLI's process. Once a root's lock was taken, the writer's own ``KeyboardInterrupt`` (it
+    rolls back and says how far it got); before, nothing has been written (writes happen under a lock only),
+    so one line (one JSON object too, with ``--json``) and exit 130 at once: no exception travels through
+    the code it lands in (typer's parser turns one into a silent exit 130, an import into a traceback)."""
+    state = sys.modules.get("fp32patch.patcher.state")
+    if state is not None and state.locks_taken():
+        raise KeyboardInterrupt
+    if _wants_json(sys.argv[1:]):  # built by hand: json itself may be what is being imported
+        os.write(1, ('{\n  "ok": false,\n  "error": "' + _CTRL_C + '",\n  "patches": []\n}\n').encode())
+    os.write(2, (_CTRL_C + "\n").encode())
+    os._exit(130)
+
+
+def _catch_ctrl_c():
+    """The previous SIGINT handler (None outside the main thread, where no signal is delivered). A SIGINT
+    the process inherited as ignored (nohup, a background job) stays ignored."""
     try:
-        return signal.signal(signal.SIGINT, _interrupted_starting)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return None
+        return signal.signal(signal.SIGINT, _interrupted)
     except ValueError:
         return None
 
 
-# Ctrl-C until this module is loaded ends the run with a line (its last lines put the previous handler back)
+def _as_command() -> bool:
+    """This process is the fp32patch command (its console script or ``python -m fp32patch``), not a program
+    that imports the module (a test): then the handler stays for the whole run."""
+    first = sys.argv[0] if sys.argv else ""
+    return os.path.basename(first) == "fp32patch" or first.endswith(os.path.join("fp32patch", "__main__.py"))
+
+
+# Ctrl-C from here on ends the run with a line (for a program that imports this module, its last lines put
+# the previous handler back)
 try:
-    _sigint = _catch_ctrl_c_while_starting()
+    _sigint = _catch_ctrl_c()
     import json
+    from dataclasses import dataclass
     from pathlib import Path
     from typing import Annotated
 
@@ -48,9 +74,9 @@ try:
 
     from fp32patch import __version__
     from fp32patch.patcher.model import Status
-    from fp32patch.patcher.report import EXIT_INTERRUPTED, EXIT_USAGE, Outcome, Report, UsageError
+    from fp32patch.patcher.report import EXIT_INTERRUPTED, EXIT_USAGE, Invocation, Outcome, Report, UsageError
 except KeyboardInterrupt:  # before the handler was in place
-    _interrupted_starting()
+    _interrupted()
 
 
 def _json_error(message: str) -> None:
@@ -63,7 +89,7 @@ class _Group(typer.core.TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
-        if "--json" not in argv or not standalone_mode:
+        if not _wants_json(argv) or not standalone_mode:
             return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
         # newer typer carries its own copy of click (typer.core._click), older typer uses click
         click = getattr(typer.core, "_click", None) or typer.core.click
@@ -82,8 +108,9 @@ class _Group(typer.core.TyperGroup):
 app = typer.Typer(
     cls=_Group,
     name="fp32patch",
-    help="fp32 LM-head logits in both engines of RL training: patches vLLM, NeMo-RL and verl at image-build time "
-    "(apply, verify in CI, revert), so the generation engine and the trainer compute the LM head in fp32 from one switch.",
+    help="fp32 LM-head logits in both engines of RL training: patches the rollout engines (vLLM, SGLang) and the "
+    "stacks (NeMo-RL, verl, TRL, OpenRLHF, slime, Prime-RL, AReaL, SkyRL) at image-build time (apply, verify in CI, revert), so the "
+    "rollout engine and the trainer (Megatron-Core, PyTorch/HF) compute the LM head in fp32 from one switch.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -171,6 +198,15 @@ PatchIds = Annotated[
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.", show_default=False)]
+ShowAll = Annotated[
+    bool,
+    typer.Option(
+        "--all",
+        help="Also list each patch whose package is not in the import root (one line counts them otherwise; "
+        "--json always lists them).",
+        show_default=False,
+    ),
+]
 Specs = Annotated[
     Path | None,
     typer.Option(
@@ -218,7 +254,38 @@ def _print_diff(text: str) -> None:
         out.file.flush()
 
 
-def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: list[Path] | None = None) -> None:
+@dataclass(frozen=True)
+class Listing:
+    """What a table shows of a command's outcomes: the patches whose packages are not in the root are
+    counted in one line (unless ``--all``, or named with ``--patch``), short enough for a CI log's line."""
+
+    inv: Invocation
+    show_all: bool = False
+
+    def hidden(self, outcomes: list[Outcome]) -> list[Outcome]:
+        if self.show_all:
+            return []
+        return [
+            o for o in outcomes if o.status == Status.NOT_INSTALLED and not o.env and o.patch not in self.inv.patches
+        ]
+
+    def summary(self, hidden: list[Outcome], roots: int) -> str:
+        from fp32patch.patcher.nearby import names
+
+        where = "not in this root" if roots == 1 else f"in none of the {roots} import roots"
+        packages = ", ".join(names(o.target.split(":", 1)[0] for o in hidden))
+        many = "patches whose packages are" if len(hidden) > 1 else "patch whose package is"
+        return f"{len(hidden)} {many} {where} ({packages}); --all lists them"
+
+
+def _render(
+    report: Report,
+    *,
+    as_json: bool,
+    show_diff: bool = False,
+    envs: list[Path] | None = None,
+    listing: Listing | None = None,
+) -> None:
     """Tables and messages; with ``show_diff`` (``diff``) stdout holds the patch alone and the rest goes to stderr."""
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
@@ -231,9 +298,16 @@ def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: lis
         bases = [Path(e).absolute() for e in envs or []]
         if bases:
             table.print("environments under " + ", ".join(map(str, bases)), soft_wrap=True)
-        if report.outcomes:
-            _table(report.outcomes, bases).print(table)
         roots = report.by_root()
+        hidden = listing.hidden(report.outcomes) if listing else []
+        folded = {id(o) for o in hidden}
+        # a missing package is worth a line where --patch asked for it (or check found its file gone)
+        named = (lambda o: o.patch in listing.inv.patches) if listing else (lambda o: True)
+        shown = [o for o in report.outcomes if id(o) not in folded]
+        if shown:
+            _table(shown, bases).print(table)
+        if hidden and (shown or not report.notes):  # with nothing found, a note says where to look instead
+            table.print(escape(listing.summary(hidden, len(roots))), soft_wrap=True)
         if len(roots) > 1:  # many environments: the totals, so a long table need not be read to the end
             totals: dict[str, int] = {}
             for row in roots:  # a folded not-installed row counts once per root it stands for
@@ -247,7 +321,7 @@ def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: lis
             loud = (
                 o.status not in _QUIET
                 or o.details.get("interrupted")
-                or (o.status == Status.NOT_INSTALLED and not report.ok and not o.env)
+                or (o.status == Status.NOT_INSTALLED and not report.ok and not o.env and named(o))
             )
             if o.message and loud:
                 where = f" in {o.root}" if len(roots) > 1 and os.pathsep not in o.root else ""
@@ -257,7 +331,7 @@ def _render(report: Report, *, as_json: bool, show_diff: bool = False, envs: lis
             if show_diff and o.diff:
                 _print_diff(o.diff)
         for note in report.notes:
-            err.print(note, soft_wrap=True)
+            err.print(escape(note), soft_wrap=True)
     raise typer.Exit(report.exit_code)
 
 
@@ -281,17 +355,18 @@ def _table(outcomes: list[Outcome], bases: list[Path]) -> Grid:
     for root in roots:
         rows = [o for o in outcomes if o.root == root]
         for i, o in enumerate(rows):
-            if o.path and grouped and o.path.startswith(root + "/"):
-                where = o.path[len(root) + 1 :]
+            paths = o.details.get("drifted") or ([o.path] if o.path else [])  # the files at fault, where known
+            if paths and grouped:
+                where = "\n".join(p[len(root) + 1 :] if p.startswith(root + "/") else p for p in paths)
             else:
-                where = o.path or (o.target if grouped else f"{o.target} (looked in {o.root})")
+                where = "\n".join(paths) or (o.target if grouped else f"{o.target} (looked in {o.root})")
             cells = [o.patch, _status_cell(str(o.status)), o.version or "-", where]
             label = _label(o, bases) if i == 0 else ""
             table.add_row(*([label] if grouped else []), *cells, end_section=grouped and i == len(rows) - 1)
     return table
 
 
-def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) -> None:
+def _run(fn, *args, as_json: bool = False, show_diff: bool = False, listing: Listing | None = None, **kwargs) -> None:
     from fp32patch.patcher.spec import SpecError
 
     try:
@@ -303,11 +378,49 @@ def _run(fn, *args, as_json: bool = False, show_diff: bool = False, **kwargs) ->
         err.print(message, soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (UsageError, SpecError) as exc:
-        if as_json:
-            _json_error(str(exc))
-        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(EXIT_USAGE) from None
-    _render(report, as_json=as_json, show_diff=show_diff, envs=kwargs.get("envs") or [])
+        _usage_error(str(exc), as_json)
+    except OSError as exc:  # a file the engine could not read or use (another user's, a broken disk)
+        _usage_error(_os_error(exc), as_json)
+    with _answering():
+        _render(report, as_json=as_json, show_diff=show_diff, envs=kwargs.get("envs") or [], listing=listing)
+
+
+@contextlib.contextmanager
+def _answering():
+    """While the answer is printed, Ctrl-C waits: the work is done, and a second answer after half of the
+    first would not be one JSON object."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _os_error(exc: OSError) -> str:
+    """One line: the file and the error (an unreadable state folder says what to do)."""
+    if str(exc) and not exc.strerror:
+        return str(exc)
+    if getattr(exc, "message", None):
+        return exc.message
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{exc.strerror or exc}"
+
+
+def _usage_error(message: str, as_json: bool) -> None:
+    """Exit 2 with the message (one JSON object too, with ``--json``)."""
+    if as_json:
+        _json_error(message)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(EXIT_USAGE) from None
+
+
+def _listing(site_packages, envs, patch, specs, show_all: bool) -> Listing:
+    inv = Invocation(tuple(site_packages or ()), tuple(envs or ()), specs, tuple(patch or ()))
+    return Listing(inv, show_all)
 
 
 @app.command()
@@ -318,6 +431,7 @@ def apply(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; write nothing.")] = False,
     as_json: Json = False,
     specs: Specs = None,
+    show_all: ShowAll = False,
 ) -> None:
     """Apply the patches (all or none per import root; exit 3 and nothing written if an anchor is off)."""
     from fp32patch.patcher.apply import apply as apply_patches
@@ -331,15 +445,17 @@ def apply(
         envs=envs or [],
         as_json=as_json,
         show_diff=dry_run,
+        listing=_listing(site_packages, envs, patch, specs, show_all),
     )
 
 
-def _status(command: str, site_packages, envs, patch, as_json: bool, specs) -> None:
+def _status(command: str, site_packages, envs, patch, as_json: bool, specs, show_all: bool) -> None:
     """verify and status share the engine's verdicts; only verify fails on a bad one."""
     from fp32patch.patcher.status import status as patch_status
 
     kwargs = {"spec_dir": specs, "command": command, "envs": envs or [], "as_json": as_json}
-    _run(patch_status, patch or [], site_packages or [], **kwargs)
+    listing = _listing(site_packages, envs, patch, specs, show_all)
+    _run(patch_status, patch or [], site_packages or [], listing=listing, **kwargs)
 
 
 @app.command()
@@ -349,9 +465,10 @@ def verify(
     patch: PatchIds = None,
     as_json: Json = False,
     specs: Specs = None,
+    show_all: ShowAll = False,
 ) -> None:
     """Check that every installed target is patched and unchanged since (exit 1 if not)."""
-    _status("verify", site_packages, envs, patch, as_json, specs)
+    _status("verify", site_packages, envs, patch, as_json, specs, show_all)
 
 
 @app.command()
@@ -361,9 +478,10 @@ def status(
     patch: PatchIds = None,
     as_json: Json = False,
     specs: Specs = None,
+    show_all: ShowAll = False,
 ) -> None:
     """Show each patch's state in each import root (always exit 0 unless the input is bad)."""
-    _status("status", site_packages, envs, patch, as_json, specs)
+    _status("status", site_packages, envs, patch, as_json, specs, show_all)
 
 
 @app.command()
@@ -386,6 +504,7 @@ def revert(
     ] = None,
     as_json: Json = False,
     specs: Specs = None,
+    show_all: ShowAll = False,
 ) -> None:
     """Restore the exact original bytes of patched files (sha256-checked)."""
     from fp32patch.patcher.revert import revert as revert_patches
@@ -399,6 +518,7 @@ def revert(
         envs=envs or [],
         against=against,
         as_json=as_json,
+        listing=_listing(site_packages, envs, patch, specs, show_all),
     )
 
 
@@ -409,11 +529,14 @@ def diff(
     patch: PatchIds = None,
     as_json: Json = False,
     specs: Specs = None,
+    show_all: ShowAll = False,
 ) -> None:
     """Show each patch as a unified diff: the change it would make, or the one it made (stdout: the patch only)."""
     from fp32patch.patcher.diff import diff as patch_diff
 
-    _run(patch_diff, patch or [], site_packages or [], spec_dir=specs, envs=envs or [], as_json=as_json, show_diff=True)
+    listing = _listing(site_packages, envs, patch, specs, show_all)
+    kwargs = {"spec_dir": specs, "envs": envs or [], "as_json": as_json, "show_diff": True, "listing": listing}
+    _run(patch_diff, patch or [], site_packages or [], **kwargs)
 
 
 @app.command()
@@ -447,10 +570,9 @@ def list_(site_packages: SitePackages = None, envs: Envs = None, as_json: Json =
         loaded = select_specs([], specs)
         where = installed(loaded, site_packages or [], envs or [])
     except UsageError as exc:
-        if as_json:
-            _json_error(str(exc))
-        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(EXIT_USAGE) from None
+        _usage_error(str(exc), as_json)
+    except OSError as exc:
+        _usage_error(_os_error(exc), as_json)
     if as_json:
         rows = [
             {
@@ -517,19 +639,20 @@ def _main(
         bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = None,
 ) -> None:
-    """fp32 LM-head logits for vLLM, NeMo-RL and verl, patched in at image-build time."""
+    """fp32 LM-head logits for vLLM, SGLang, NeMo-RL, verl, TRL, OpenRLHF, slime, Prime-RL, AReaL and SkyRL, patched in at image-build time."""
 
 
 def main() -> None:
+    _catch_ctrl_c()
     try:
         app()
     except KeyboardInterrupt:  # typer turns most into exit 130 itself: this is Ctrl-C outside a command
         message = f"interrupted (Ctrl-C) while no file was being written; exit {EXIT_INTERRUPTED}"
-        if "--json" in sys.argv[1:]:
+        if _wants_json(sys.argv[1:]):
             _json_error(message)
         err.print(message, soft_wrap=True)
         sys.exit(EXIT_INTERRUPTED)
 
 
-if _sigint is not None:
+if _sigint is not None and not _as_command():
     signal.signal(signal.SIGINT, _sigint)

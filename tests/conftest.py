@@ -14,6 +14,9 @@ from typer.testing import CliRunner
 # tests/heavy/<dir>/ run under their own interpreters (see Makefile, tests/envs/build.py);
 # a run that names them explicitly still collects them.
 collect_ignore = [] if os.environ.get("FP32PATCH_HEAVY") else ["heavy"]
+# tests/recipes (the docs' recipes in their stacks' layouts: make test-recipes) and tests/images
+# (podman builds: make test-images) have targets of their own, as the heavy suites do
+collect_ignore += [suite for suite in ("recipes", "images") if not os.environ.get(f"FP32PATCH_{suite.upper()}")]
 
 NEMOTRON = "vllm/model_executor/models/nemotron_h.py"
 LOGITS_PROCESSOR = "vllm/model_executor/layers/logits_processor.py"

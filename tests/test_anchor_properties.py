@@ -25,7 +25,11 @@ openrlhf-fp32-lm-head, OpenRLHF 0.11.2's models/actor.py (Actor.forward's model 
 log-probs, each replaced through the gate) from its wheel, with the other five target files.
 For slime-fp32-lm-head (slime is not on PyPI), the stand-in checkout's sglang_engine.py (tests/fixtures/
 slime_src: each server's arguments, the probe after the server is launched or reached, one of them
-in an ``else`` branch), the other two target files unchanged beside it.
+in an ``else`` branch), the other two target files unchanged beside it. For prime-rl-fp32-lm-head (not
+on PyPI either), the stand-in checkout's rl/train.py (tests/fixtures/prime_rl_src: the wiring right
+after setup_model), the other six target files unchanged beside it. For skyrl-fp32-lm-head,
+SkyRL 0.4.0's workers/model_wrapper.py (HFModelWrapper.forward's model calls, log-probs and entropy,
+each replaced through the gate) from its wheel, with the other seven target files.
 """
 
 from __future__ import annotations
@@ -1169,7 +1173,7 @@ def _anchored_correct(
 ) -> Callable[[str, str, str], None]:
     """The variant's (``args``) edits of the file ``path``, every one of them checked: each of ``edits``
     right after its anchor statement (insert_after) or right before it (insert_before), each expression
-    ``replaced`` (the path of its scope, the edit's id) rewritten once, in its scope, the gate whole right
+    ``replaced`` (the path of its scope, the edit's id) rewritten as many times as its count, in its scope, the gate whole right
     after the imports, and nothing else changed: the AST, once the edits are taken out or put back, is the input's."""
 
     def correct(before: str, after: str, args: str) -> None:
@@ -1189,7 +1193,7 @@ def _anchored_correct(
             def written(node: ast.AST, wrote: ast.expr = wrote) -> int:
                 return sum(isinstance(n, type(wrote)) and ast.dump(n) == ast.dump(wrote) for n in ast.walk(node))
 
-            assert written(_path(tree, *scope)) == written(tree) == 1, edit_id
+            assert written(_path(tree, *scope)) == written(tree) == own[edit_id].count, edit_id
         # the gate: the snippet whole, after the last import that comes before the first def or class
         gate = ast.parse(gate_edit.code).body
         original = ast.parse(before)
@@ -1199,7 +1203,7 @@ def _anchored_correct(
         put_back = _PutBack({own[i].code: own[i].anchor.match for _, i in replaced})
         stripper = _StripSetup()
         stripped = stripper.visit(put_back.visit(ast.parse(after)))
-        assert put_back.count == len(replaced)
+        assert put_back.count == sum(own[i].count for _, i in replaced)
         assert len(stripper.removed) == len(gate) + len(edits), stripper.removed
         assert ast.dump(stripped) == ast.dump(ast.parse(before)), "the edit changed more than it should"
 
@@ -1566,6 +1570,64 @@ _actor_correct = _anchored_correct(
 )
 
 
+# ---------------------------------------------------------------- skyrl-fp32-lm-head on SkyRL's HFModelWrapper.forward
+
+SKYRL = "0.4.0"
+SKYRL_WRAPPER = "skyrl/backends/skyrl_train/workers/model_wrapper.py"
+WRAPPER_FORWARD_NAMESAKE = """\
+def forward(self, sequences, temperature=1.0):
+    output = self.model(sequences)
+    return logprobs_from_logits(output["logits"], sequences), self.chunked_entropy_from_logits_fn(output["logits"])
+
+"""
+
+
+def _skyrl_files() -> dict[str, str]:
+    """SkyRL 0.4.0's files that the spec names, as its wheel holds them (laid out as installed)."""
+    return _release_files("skyrl-fp32-lm-head", SKYRL)
+
+
+def _wrapper_forward(tree: ast.Module) -> ast.AST:
+    return _path(tree, "HFModelWrapper", "forward")
+
+
+def _wrapper_mutations(spec: Spec) -> list[Mutation]:
+    call = _stmt_in(_wrapper_forward, "output = self.model(sequences_fwd, attention_mask=attention_mask_fwd")
+    return [
+        *_shared_benign(
+            spec,
+            [lambda t: _path(t, "HFModelWrapper", "__init__"), _wrapper_forward],
+            lambda t: _path(t, "HFModelWrapper"),
+        ),
+        Mutation("module-level-namesake", append(WRAPPER_FORWARD_NAMESAKE)),
+        Mutation(
+            "decoy-class", append("class CriticWrapper(nn.Module):\n" + _indented(WRAPPER_FORWARD_NAMESAKE, "    "))
+        ),
+        # breaking: each must be refused
+        Mutation("model-called-once-more", insert_at(call, _block("_warm = self.model(sequences_fwd)")), breaking=True),
+        Mutation(
+            "entropy-renamed",
+            _rename(_wrapper_forward, r"\bself\.chunked_entropy_from_logits_fn\b", "self.entropy_fn"),
+            breaking=True,
+        ),
+        # the replacement reads forward's sequences_rolled and support_channels: renamed there, undefined names
+        Mutation("rolled-renamed", _rename(_wrapper_forward, r"\bsequences_rolled\b", "shifted"), breaking=True),
+        # (no scope renamed: the benign mutations drawn after a breaking one still find their functions)
+        Mutation(
+            "log-probs-renamed", _rename(_wrapper_forward, r"\blogprobs_from_logits\b", "logprobs_of"), breaking=True
+        ),
+        Mutation("gate-name-clash", append("_fp32patch_model = None\n"), breaking=True),
+    ]
+
+
+_wrapper_correct = _anchored_correct(
+    "skyrl-fp32-lm-head",
+    SKYRL_WRAPPER,
+    [],
+    replaced=tuple((("HFModelWrapper", "forward"), edit) for edit in ("model-call", "log-probs", "entropy")),
+)
+
+
 # ---------------------------------------------------------------- slime-fp32-lm-head on the stand-in slime checkout
 
 SLIME_ENGINE = "slime/backends/sglang_utils/sglang_engine.py"
@@ -1619,6 +1681,94 @@ _slime_engine_correct = _anchored_correct(
         (("SGLangEngine", "init"), INIT_NORMAL, "probe"),
         (("SGLangEngine", "init"), INIT_EXTERNAL, "probe-external"),
         (("_compute_server_args",), "return (kwargs, external_engine_need_check_fields)", "server-args"),
+    ],
+)
+
+
+# ---------------------------------------------------------------- prime-rl-fp32-lm-head on the stand-in Prime-RL checkout
+
+PRIME_TRAIN = "src/prime_rl/trainer/rl/train.py"
+SETUP_MODEL = "model = setup_model(config.model, parallel_dims, loading_from_ckpt_later)"
+
+
+def _prime_rl_checkout() -> dict[str, str]:
+    """The stand-in Prime-RL checkout's target files (tests/fixtures/prime_rl_src: its shapes, not its code)."""
+    from tests.fixtures.prime_rl_shapes import PATCHED, SRC
+
+    return {p: (SRC / p).read_text() for p in PATCHED}
+
+
+def _prime_train(tree: ast.Module) -> ast.AST:
+    return _path(tree, "train")
+
+
+def _prime_rl_train_mutations(spec: Spec) -> list[Mutation]:
+    setup = _stmt_in(_prime_train, SETUP_MODEL)
+    return [
+        *_shared_benign(spec, [_prime_train], _prime_train),
+        # decoys: the anchor where the spec does not look
+        Mutation(
+            "module-level-namesake",
+            append(
+                f"def build(config, parallel_dims, loading_from_ckpt_later):\n    {SETUP_MODEL}\n    return model\n"
+            ),
+        ),
+        # breaking: each must be refused
+        Mutation("setup-twice", insert_at(setup, _block(SETUP_MODEL)), breaking=True),
+        Mutation("setup-moved-into-nested-def", moved_into_nested(setup, "_later"), breaking=True),
+        Mutation("setup-renamed", _on_line(setup, "setup_model(", "build_model("), breaking=True),
+        Mutation("gate-name-clash", append("def _fp32patch_wire_trainer(*args):\n    pass\n"), breaking=True),
+    ]
+
+
+_prime_rl_train_correct = _anchored_correct("prime-rl-fp32-lm-head", PRIME_TRAIN, [(("train",), SETUP_MODEL, "wire")])
+
+
+# ---------------------------------------------------------------- areal-fp32-lm-head on AReaL 1.0.4's rl_trainer.py
+
+AREAL = "1.0.4"
+AREAL_TRAINER = "areal/trainer/rl_trainer.py"
+AREAL_SGLANG_ARGS = "server_args = SGLangConfig.build_args("
+AREAL_VLLM_ARGS = "server_args = vLLMConfig.build_args("
+AREAL_INITIALIZE = "controller.initialize(**init_kwargs)"
+
+
+def _areal_files() -> dict[str, str]:
+    """AReaL 1.0.4's files that the spec names, as its wheel holds them (laid out as installed)."""
+    return _release_files("areal-fp32-lm-head", AREAL)
+
+
+def _init_rollout(tree: ast.Module) -> ast.AST:
+    return _path(tree, "PPOTrainer", "_init_rollout")
+
+
+def _areal_mutations(spec: Spec) -> list[Mutation]:
+    initialize = _stmt_in(_init_rollout, AREAL_INITIALIZE)
+    return [
+        *_shared_benign(spec, [_init_rollout], lambda t: _path(t, "PPOTrainer")),
+        # decoys: the anchors where the spec does not look (the teacher's rollout has the same calls)
+        Mutation(
+            "module-level-namesake",
+            append("def _init_rollout(self, config):\n    controller.initialize(**init_kwargs)\n"),
+        ),
+        # breaking: each must be refused
+        Mutation("initialize-twice", insert_at(initialize, _block(AREAL_INITIALIZE)), breaking=True),
+        Mutation(
+            "init-rollout-renamed", _on_line(_init_rollout, "def _init_rollout", "def _start_rollout"), breaking=True
+        ),
+        # the probe reads _init_rollout's rollout_backend: renamed there, an undefined name
+        Mutation("backend-renamed", _rename(_init_rollout, r"\brollout_backend\b", "gen_backend"), breaking=True),
+        Mutation("gate-name-clash", append("_fp32patch_probe_rollout = None\n"), breaking=True),
+    ]
+
+
+_areal_correct = _anchored_correct(
+    "areal-fp32-lm-head",
+    AREAL_TRAINER,
+    [
+        (("PPOTrainer", "_init_rollout"), AREAL_SGLANG_ARGS, "server-args-sglang"),
+        (("PPOTrainer", "_init_rollout"), AREAL_VLLM_ARGS, "server-args-vllm"),
+        (("PPOTrainer", "_init_rollout"), AREAL_INITIALIZE, "probe"),
     ],
 )
 
@@ -1765,6 +1915,31 @@ CASES = [
         others=lambda: {p: t.encode() for p, t in _slime_checkout().items() if p != SLIME_ENGINE},
     ),
     Case(
+        "prime-rl-fp32-lm-head",
+        "prime-rl-fixture-train",
+        lambda: _prime_rl_checkout()[PRIME_TRAIN],
+        None,
+        PRIME_TRAIN,
+        _prime_rl_train_mutations,
+        _prime_rl_train_correct,
+        "all",
+        5,
+        others=lambda: {p: t.encode() for p, t in _prime_rl_checkout().items() if p != PRIME_TRAIN},
+    ),
+    Case(
+        "areal-fp32-lm-head",
+        f"areal-{AREAL}-trainer",
+        lambda: _areal_files()[AREAL_TRAINER],
+        AREAL,
+        AREAL_TRAINER,
+        _areal_mutations,
+        _areal_correct,
+        "1.0.4",
+        # each example transforms all seven of AReaL's files (~7 s of libcst): few, beside its release tests
+        5,
+        others=lambda: {p: t.encode() for p, t in _areal_files().items() if p != AREAL_TRAINER},
+    ),
+    Case(
         "sglang-fp32-lm-head",
         f"sglang-{SGL_VERSION}",
         lambda: (wheel_members("sglang", SGL_VERSION, [SGL_PROCESSOR]) / SGL_PROCESSOR).read_text(),
@@ -1787,17 +1962,38 @@ CASES = [
         6,
         others=lambda: {p: t.encode() for p, t in _openrlhf_files().items() if p != OPENRLHF_ACTOR},
     ),
+    Case(
+        "skyrl-fp32-lm-head",
+        f"skyrl-{SKYRL}-wrapper",
+        lambda: _skyrl_files()[SKYRL_WRAPPER],
+        SKYRL,
+        SKYRL_WRAPPER,
+        _wrapper_mutations,
+        _wrapper_correct,
+        "all",
+        6,
+        others=lambda: {p: t.encode() for p, t in _skyrl_files().items() if p != SKYRL_WRAPPER},
+    ),
 ]
 
 
 def _own_line_markers(text: str, spec_id: str) -> list[str]:
-    return [
+    """The spec's own-line markers in ``text``; an edit whose anchor has a count of N (SkyRL's
+    four ``self.model`` reads) must carry exactly N of them, and is listed once."""
+    found = [
         tok.string
         for tok in tokenize.generate_tokens(io.StringIO(text).readline)
         if tok.type == tokenize.COMMENT
         and not tok.line[: tok.start[1]].strip()
         and tok.string.startswith(f"# fp32patch: {spec_id} [")
     ]
+    spec = next(s for s in load_specs() if s.id == spec_id)
+    counted = {f"# fp32patch: {spec_id} [{e.id}]": e.count for v in spec.variants for e in v.edits if e.count > 1}
+    for marker, count in counted.items():
+        if marker in found:
+            assert found.count(marker) == count, (marker, found.count(marker), count)
+            found = [m for m in found if m != marker] + [marker]
+    return found
 
 
 def test_every_shipped_spec_has_a_case():

@@ -6,7 +6,6 @@ a training step on a packed batch-1 input."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
 from fp32patch.runtime.modes import MEGATRON_MODES
+from tests.support.rendezvous import file_store, init_gloo
 from tests.support.tiny_lm import CausalLM
 
 T, H, V = 67, 64, 1000  # tokens (odd, so tiles are ragged), hidden, vocabulary
@@ -347,12 +347,6 @@ def test_bad_shapes_are_refused_naming_them():
 # ---------------------------------------------------------------- tensor parallelism
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 CASES = {  # name -> keyword arguments of the call (TP cases add tp_group)
     "fp32out": dict(chunk_rows=16, chunk_vocab=96),
     "fp32out-entropy-t0.7": dict(chunk_rows=16, chunk_vocab=96, entropy=True, temperature=0.7),
@@ -371,12 +365,11 @@ def _run_case(x, w, targets, g, ge, kwargs, group=None, sequence_parallel=False)
     return {"lp": lp.detach(), "ent": None if ent is None else ent.detach(), "dx": xl.grad, "dw": wl.main_grad}
 
 
-def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, init_method)
     try:
         x, w, targets, g, ge = problem(13, t=64)
         shard = w.chunk(world)[rank]
@@ -393,8 +386,8 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_tp2_over_gloo_equals_tp1():
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_tp_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+    with tempfile.TemporaryDirectory() as out_dir, file_store() as init_method:
+        mp.spawn(_tp_worker, args=(2, init_method, out_dir), nprocs=2, join=True)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
     x, w, targets, g, ge = problem(13, t=64)
     for name, kwargs in CASES.items():
@@ -412,3 +405,87 @@ def test_tp2_over_gloo_equals_tp1():
             dx = torch.cat([part["dx"] for part in got]) if variant.endswith("/sp") else got[0]["dx"]
             assert torch.equal(got[0]["dx"], got[1]["dx"]) or variant.endswith("/sp")
             assert relative(dx, one["dx"]) < 2.0**-8, variant
+
+
+# ---------------------------------------------------------------- per-token temperature, soft-cap
+
+
+def float64_capped(x, w, targets, temperature, softcap):
+    """log-probs and entropy of softcap * tanh(z / softcap) / temperature (a number or [T]), in float64."""
+    z = x.double() @ w.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    t = temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature
+    log_p = torch.log_softmax(z / t, dim=-1)
+    return log_p.gather(1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+
+def per_token_temperatures(t: int = T) -> torch.Tensor:
+    # Prime-RL's per-sample temperatures: runs of one value per packed sample
+    return torch.cat([torch.full((n,), value) for n, value in ((20, 0.7), (30, 1.0), (t - 50, 1.3))])
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0, 5.0])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_per_token_temperature_and_softcap_against_float64(per_token, softcap):
+    # a cap of 5 bends logits of ~10-20 hard: the cap is computed on the fp32 logits, not after rounding
+    x, w, targets, _, _ = problem(11)
+    temperature = per_token_temperatures() if per_token else 0.8
+    ref_lp, ref_ent = float64_capped(x, w, targets, temperature, softcap)
+    lp, ent = chunked_logprobs(
+        x, w, targets, temperature=temperature, softcap=softcap, entropy=True, chunk_rows=9, chunk_vocab=70
+    )
+    assert (lp.double() - ref_lp).abs().max() < 1e-5
+    assert (ent.double() - ref_ent).abs().max() < 1e-5
+
+
+def test_a_uniform_per_token_temperature_is_the_scalar_bit_for_bit():
+    x, w, targets, _, _ = problem(12)
+    scalar = chunked_logprobs(x, w, targets, temperature=0.7, entropy=True, chunk_rows=9, chunk_vocab=70)
+    tensor = chunked_logprobs(
+        x, w, targets, temperature=torch.full((T,), 0.7), entropy=True, chunk_rows=9, chunk_vocab=70
+    )
+    assert torch.equal(scalar[0], tensor[0]) and torch.equal(scalar[1], tensor[1])
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_per_token_temperature_and_softcap_gradients_against_float64(softcap):
+    x, w, targets, g, ge = problem(13)
+    temperature = per_token_temperatures()
+
+    def loss64(xd, wd):
+        lp, ent = float64_capped(xd, wd, targets, temperature, softcap)
+        return (lp * g.double()).sum() + (ent * ge.double()).sum()
+
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    loss64(xd, wd).backward()
+    xl, wl = leaves(x, w)
+    lp, ent = chunked_logprobs(
+        xl, wl, targets, mode="fp32", temperature=temperature, softcap=softcap, entropy=True, chunk_rows=10
+    )
+    ((lp * g).sum() + (ent * ge).sum()).backward()
+    assert relative(wl.grad, wd.grad) < 2.0**-8  # bf16 delivery
+    assert relative(xl.grad, xd.grad) < 2.0**-8
+
+
+def test_softcap_changes_the_log_probs_as_the_cap_does():
+    # a user would notice: a cap of 5 flattens the distribution (higher entropy than without it)
+    x, w, targets, _, _ = problem(14)
+    _, plain = chunked_logprobs(x, w, targets, entropy=True)
+    _, capped = chunked_logprobs(x, w, targets, entropy=True, softcap=5.0)
+    assert (capped > plain).float().mean() > 0.9
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"softcap": 0.0}, ValueError, "softcap must be None or a finite number > 0"),
+        ({"softcap": True}, ValueError, "softcap must be None or a finite number > 0"),
+        ({"temperature": torch.ones(T - 1)}, ValueError, r"per-token temperature \(66,\) must be shaped"),
+        ({"temperature": torch.ones(T, dtype=torch.int64)}, TypeError, "must be floating point"),
+    ],
+)
+def test_bad_softcap_and_per_token_temperatures_are_refused(kwargs, error, says):
+    x, w, targets, _, _ = problem()
+    with pytest.raises(error, match=says):
+        chunked_logprobs(x, w, targets, **kwargs)

@@ -45,7 +45,10 @@ def test_editable_install_is_followed_to_its_project(tmp_path, cli):
     code, out = cli.json("apply", "-s", site)
     assert code == 0
     entry = _entry(out)
-    assert (entry["status"], entry["version"], entry["path"]) == ("applied", "0.33.0", str(project / NEMOTRON))
+    # the checkout is searched as -s names it: its own release (none here: no metadata of its own), not the
+    # dist-info beside the install, which is as old as the install while the checkout moves on
+    assert (entry["status"], entry["version"], entry["path"]) == ("applied", None, str(project / NEMOTRON))
+    assert (entry["root"], entry["reached_from"]) == (str(project), [str(site)])
     assert (project / ".fp32patch" / "manifest.json").exists()  # state lives with the files
     assert not (site / ".fp32patch").exists()
     code, out = cli.json("verify", "-s", site)

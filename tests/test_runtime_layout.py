@@ -16,7 +16,7 @@ import fp32patch.runtime as runtime
 RUNTIME = Path(runtime.__file__).parent
 # lowest first; a module may import its own layer and those below it
 LAYERS = ["kernels", "heads", "kit", "stacks"]
-STACKS = ("nemo_rl", "verl", "trl", "openrlhf", "slime")
+STACKS = ("nemo_rl", "verl", "trl", "openrlhf", "slime", "prime_rl", "areal", "skyrl")
 LEAVES = ("errors", "modes", "context_length")
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
+from fp32patch.patcher import nearby
 from fp32patch.patcher.model import Status
 from fp32patch.patcher.plan import (
     RootPlan,
@@ -75,7 +76,8 @@ def apply(
             "apply",
             fold_not_installed(outcomes, order),
             EXIT_USAGE,
-            notes=["no patch target was found in the given import roots"],
+            notes=nearby.advise(roots, envs, specs, inv, "apply", ["--dry-run"] if dry_run else [])
+            or ["no patch target was found in the given import roots"],
         )
 
     # First every result, without writing: one refusal anywhere means nothing is written.
@@ -128,7 +130,9 @@ def apply(
         failed = next((tx for tx, _, _ in runs if tx.progress not in ("undone", "done")), None)
         stop = Interrupted(failed.root if failed else plans[0].root, failed.progress if failed else "none", inv)
         return Report("apply", fold_not_installed(outcomes, order), EXIT_INTERRUPTED, [*notes, stop.note(0)])
-    return Report("apply", fold_not_installed(outcomes + _reported_all(plans, judged), order), EXIT_OK, notes=notes)
+    reported = _reported_all(plans, judged)
+    notes += [o.message for o in reported if o.status == Status.APPLIED and o.details.get("version_unreadable")]
+    return Report("apply", fold_not_installed(outcomes + reported, order), EXIT_OK, notes=notes)
 
 
 def _failed(runs: list[tuple[Transaction, list[Write], mf.Manifest]], default: Path) -> Path:
@@ -232,5 +236,7 @@ def _reported(t: Target, r: Result, *, refused_elsewhere: bool = False) -> Outco
             return t.outcome(Status.NOT_APPLIED, message="another patch in this root was refused")
         # edits skipped because upstream already fixed their part, so a partial fix shows
         details = {"edits": r.edits, **({"skipped": r.skipped} if r.skipped else {})}
+        if r.unreadable:
+            details["version_unreadable"] = r.unreadable
         return t.outcome(Status.APPLIED, message=r.message, variant=r.variant, details=details)
     return t.outcome(r.status, message=r.message, variant=r.variant)

@@ -10,9 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from fp32patch.patcher import nearby
 from fp32patch.patcher.model import Status
 from fp32patch.patcher.plan import RootPlan, by_root, searched_order, select_specs, targets
-from fp32patch.patcher.report import EXIT_OK, EXIT_REFUSED, Outcome, Report, UsageError, fold_not_installed
+from fp32patch.patcher.report import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    Invocation,
+    Outcome,
+    Report,
+    UsageError,
+    fold_not_installed,
+)
 from fp32patch.patcher.state import StateDir, sha256
 from fp32patch.patcher.transaction import TransactionError
 from fp32patch.patcher.transform import unified_diff
@@ -58,4 +67,8 @@ def diff(
             else:
                 refused |= result.status.refused
                 outcomes.append(t.outcome(result.status, message=result.message))
-    return Report("diff", fold_not_installed(outcomes, searched_order(ts)), EXIT_REFUSED if refused else EXIT_OK)
+    found = {t.searched for t in ts if t.located is not None}
+    advice = nearby.advise(roots, envs, specs, Invocation(tuple(roots), tuple(envs), spec_dir, tuple(ids)), "diff")
+    notes = advice if any(t.searched not in found for t in ts if t.env is None) else []
+    code = EXIT_REFUSED if refused else EXIT_OK
+    return Report("diff", fold_not_installed(outcomes, searched_order(ts)), code, notes=notes)

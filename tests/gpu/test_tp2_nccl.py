@@ -4,8 +4,6 @@ or without megatron-core."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ def _problem():
     return x, w, g
 
 
-def _worker(rank, world, port, mode, sequence_parallel, results):
+def _worker(rank, world, init_method, mode, sequence_parallel, results):
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -31,8 +29,8 @@ def _worker(rank, world, port, mode, sequence_parallel, results):
     from fp32patch.runtime.megatron_lm_head import apply_fp32_lm_head
 
     torch.cuda.set_device(rank)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    # a file store (tests/support/rendezvous.py): no port for another process to take first
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -92,18 +90,15 @@ def _worker(rank, world, port, mode, sequence_parallel, results):
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "fp32out", "fp32out-hilo", "fp32out-bf16grad"])
 def test_tp2_matches_one_gpu(mode, sequence_parallel):
     pytest.importorskip("megatron.core")
-    import socket
-
     import torch.multiprocessing as mp
 
     from fp32patch.runtime.lm_head_gemm import lm_head_linear
+    from tests.support.rendezvous import file_store
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(2, port, mode, sequence_parallel, results), nprocs=2, join=True)
+    with file_store() as init_method:
+        mp.spawn(_worker, args=(2, init_method, mode, sequence_parallel, results), nprocs=2, join=True)
 
     x, w, g = _problem()
     xr = x.cuda().requires_grad_(True)

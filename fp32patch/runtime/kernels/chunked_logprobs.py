@@ -22,6 +22,13 @@ log-probs). For each tile of ``chunk_rows`` tokens by ``chunk_vocab`` vocabulary
   caller asks for gradient-accumulation fusion) and is delivered once; the input gradient
   accumulates in fp32 over the vocabulary blocks and is delivered once in the input's dtype.
 
+A per-token temperature (a tensor shaped as ``targets``: Prime-RL's per-sample temperatures)
+divides each token's logits by its own; a soft-cap (``softcap``: Gemma's
+``final_logit_softcapping``) is applied to the fp32 logits before the temperature,
+``softcap * tanh(z / softcap)``, as vLLM's logits processor applies it, and its derivative
+``1 - tanh**2`` joins the backward in fp32. Either one runs the per-tile torch steps on every
+device (the Triton kernels take one scalar temperature and no cap).
+
 The tiles go vocabulary block by vocabulary block, tokens inside: then only one block's
 weight gradient is in flight, and a block whose ``chunk_rows`` covers every token gets its
 weight gradient from one GEMM, exactly as the unfused head's backward computes those rows.
@@ -80,7 +87,7 @@ class _Plan:
     """What one call computes and how; the autograd Function's non-tensor arguments."""
 
     mode: str
-    temperature: float
+    temperature: float  # 1.0 when the temperature is per token (the tensor goes beside the plan)
     entropy: bool
     group: Any
     vocab_start: int
@@ -88,6 +95,7 @@ class _Plan:
     fuse_wgrad: bool
     chunk_rows: int
     chunk_vocab: int
+    softcap: float | None = None
 
 
 def chunked_logprobs(
@@ -96,8 +104,9 @@ def chunked_logprobs(
     targets: torch.Tensor,
     *,
     mode: str = "fp32out",
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     entropy: bool = False,
+    softcap: float | None = None,
     tp_group: Any = None,
     vocab_start: int | None = None,
     sequence_parallel: bool = False,
@@ -118,30 +127,61 @@ def chunked_logprobs(
     entropy of each token's distribution (fp32): ``(log_probs, entropy)``.
 
     ``mode``: the trainer's fp32 head mode (``modes.MEGATRON_MODES``); it sets the GEMMs of both
-    passes as in ``lm_head_gemm``. ``temperature`` divides the fp32 logits. ``tp_group``: the
+    passes as in ``lm_head_gemm``. ``temperature`` divides the fp32 logits: a number, or a
+    tensor of per-token temperatures shaped as ``targets`` (each > 0). ``softcap``: cap the fp32
+    logits at ``softcap * tanh(z / softcap)`` before the temperature (None: no cap). ``tp_group``: the
     tensor-parallel group whose ranks hold the vocabulary shards (None: the weight is the whole
     vocabulary); ``vocab_start``: the first vocabulary id of this rank's shard (default: rank x
     shard rows, Megatron's even split). ``fuse_wgrad``: add the weight gradient into
     ``weight.main_grad`` (Megatron's gradient-accumulation fusion) when the weight has one.
-    ``chunk_rows`` x ``chunk_vocab``: the tile (defaults: ``DEFAULT_CHUNK_ROWS`` x
-    ``DEFAULT_CHUNK_VOCAB``, measured).
+    ``chunk_rows`` x ``chunk_vocab``: the tile (defaults: ``choose_tiles``' choice for the
+    shape).
 
     A ``hidden`` of another dtype than the weight (fp32 hidden states from FSDP2's
     ``output_dtype``) is cast to the weight's dtype inside the graph, as the fp32 head does.
     """
+    temps = None
+    if _is_tensor(temperature):
+        temps = _row_temperatures(temperature, targets)
+        temperature = 1.0
     plan = _plan(
         hidden, weight, targets, mode, temperature, entropy, tp_group, vocab_start, sequence_parallel,
-        fuse_wgrad, chunk_rows, chunk_vocab,
+        fuse_wgrad, chunk_rows, chunk_vocab, softcap,
     )  # fmt: skip
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
-    log_probs, ent = _function().apply(hidden, weight, targets, plan)
+    log_probs, ent = _function().apply(hidden, weight, targets, temps, plan)
     return (log_probs, ent) if entropy else log_probs
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _row_temperatures(temperature: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token temperatures, flat and fp32 (no gradient flows to them), after checking them."""
+    import torch
+
+    if tuple(temperature.shape) != tuple(targets.shape):
+        raise ValueError(
+            f"chunked_logprobs: a per-token temperature {tuple(temperature.shape)} must be shaped as the "
+            f"targets {tuple(targets.shape)}"
+        )
+    if not temperature.dtype.is_floating_point:
+        raise TypeError(f"chunked_logprobs: per-token temperatures must be floating point, not {temperature.dtype}")
+    if temperature.device != targets.device:
+        raise ValueError(
+            f"chunked_logprobs: per-token temperatures ({temperature.device}) must be on the targets' device "
+            f"({targets.device})"
+        )
+    return temperature.detach().reshape(-1).to(torch.float32).contiguous()
 
 
 def _plan(
     hidden, weight, targets, mode, temperature, entropy, group, vocab_start, sequence_parallel, fuse_wgrad,
-    chunk_rows, chunk_vocab,
+    chunk_rows, chunk_vocab, softcap=None,
 ) -> _Plan:  # fmt: skip
     """Check the call's arguments (a clear error naming the argument, before any work)."""
     import torch
@@ -152,6 +192,12 @@ def _plan(
         raise TypeError(f"chunked_logprobs: temperature must be a number, not {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"chunked_logprobs: temperature must be finite and > 0, not {temperature!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not (math.isfinite(softcap) and softcap > 0)
+    ):
+        raise ValueError(f"chunked_logprobs: softcap must be None or a finite number > 0, not {softcap!r}")
     if weight.dim() != 2:
         raise ValueError(f"chunked_logprobs: weight must be [V, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -182,17 +228,30 @@ def _plan(
     elif isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"chunked_logprobs: vocab_start must be an int >= 0, not {vocab_start!r}")
     tiles = []
-    for name, value, default in (
-        ("chunk_rows", chunk_rows, DEFAULT_CHUNK_ROWS),
-        ("chunk_vocab", chunk_vocab, DEFAULT_CHUNK_VOCAB),
-    ):
+    chosen = choose_tiles(math.prod(targets.shape), weight.shape[0], weight.shape[1])
+    for name, value, default in (("chunk_rows", chunk_rows, chosen[0]), ("chunk_vocab", chunk_vocab, chosen[1])):
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"chunked_logprobs: {name} must be an int >= 1, not {value!r}")
         tiles.append(value)
     return _Plan(
-        mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles
-    )
+        mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles,
+        None if softcap is None else float(softcap),
+    )  # fmt: skip
+
+
+def choose_tiles(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
+    """The tile (tokens, vocabulary entries) a call without ``chunk_rows`` / ``chunk_vocab``
+    gets, for ``tokens`` rows of a ``vocab`` x ``hidden`` head (this rank's shard under tensor
+    parallelism).
+
+    Today one tile for every shape, the one measured at 16k and 64k tokens of a 7B head
+    (bench/RESULTS.md, "Fused log-prob paths"). Whether short sequences of small heads want
+    another (issue 44: a whole step at 4k tokens of a 0.5B model paid 1.34x stock) is for
+    ``python bench/step.py --head`` on a GPU to say: its ``--rule`` output is the table of
+    (hidden, tokens) -> tile this function should read, the fastest tile whose peak stays at
+    or under the stock head's. Not yet measured (bench/RESULTS.md, "A whole training step")."""
+    return DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB
 
 
 def _world_and_rank(group: Any) -> tuple[int, int]:
@@ -233,17 +292,47 @@ class RowStats:
         return view
 
 
-def fold_tile(tile: torch.Tensor, targets: torch.Tensor, col0: int, temperature: float, stats: RowStats) -> None:
-    """Fold the logits ``tile`` [C, N] (any float dtype, read as fp32 and divided by
-    ``temperature`` in fp32) into ``stats`` (C rows). The tile holds the weight's rows
-    ``col0`` to ``col0 + N``; ``targets`` [C] are ids counted from the weight's first row."""
-    kernels = _triton(tile)
+def _logits(tile: torch.Tensor, temperature: Any, softcap: float | None) -> tuple[torch.Tensor, Any]:
+    """The tile's logits as the distribution sees them, in fp32: capped (``softcap``), then
+    divided by the temperature (a number, or [C] per row); and the cap's tanh (None: no cap)."""
+    import torch
+
+    z = tile.float()
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    if _is_tensor(temperature):
+        z = z / temperature[:, None]
+    elif temperature != 1.0:
+        z = z / temperature
+    return z, capped
+
+
+def _scalar_steps(temperature: Any, softcap: float | None) -> bool:
+    """Whether the Triton steps compute this tile (one scalar temperature, no cap)."""
+    return softcap is None and not _is_tensor(temperature)
+
+
+def fold_tile(
+    tile: torch.Tensor,
+    targets: torch.Tensor,
+    col0: int,
+    temperature: Any,
+    stats: RowStats,
+    softcap: float | None = None,
+) -> None:
+    """Fold the logits ``tile`` [C, N] (any float dtype, read as fp32, capped at ``softcap``
+    and divided by ``temperature``, a number or [C] per row, in fp32) into ``stats`` (C rows).
+    The tile holds the weight's rows ``col0`` to ``col0 + N``; ``targets`` [C] are ids counted
+    from the weight's first row."""
+    kernels = _triton(tile) if _scalar_steps(temperature, softcap) else None
     if kernels is not None:
         kernels.fold(tile, targets, col0, temperature, stats)
         return
     import torch
 
-    z = (tile.float() / temperature) if temperature != 1.0 else tile.float()
+    z, _ = _logits(tile, temperature, softcap)
     m = torch.maximum(stats.m, z.amax(dim=1))
     rescale = torch.exp(stats.m - m)
     e = torch.exp(z - m[:, None])
@@ -266,18 +355,20 @@ def grad_tile(
     entropy: torch.Tensor | None,
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> None:
     """Overwrite the logits ``tile`` [C, N] with the gradient of the loss with respect to them
-    (before the temperature: the result is divided by it), computed in fp32 and stored in the
-    tile's dtype. ``col0`` and ``targets`` as for ``fold_tile``; ``log_z``, ``entropy``,
+    (before the cap and the temperature: the result is divided by it and, with ``softcap``,
+    multiplied by the cap's derivative), computed in fp32 and stored in the tile's dtype.
+    ``col0``, ``targets``, ``temperature`` as for ``fold_tile``; ``log_z``, ``entropy``,
     ``grad_logp``, ``grad_entropy``: [C] fp32; a None gradient contributes nothing."""
-    kernels = _triton(tile)
+    kernels = _triton(tile) if _scalar_steps(temperature, softcap) else None
     if kernels is not None:
         kernels.grad(tile, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy)
         return
     import torch
 
-    z = (tile.float() / temperature) if temperature != 1.0 else tile.float()
+    z, capped = _logits(tile, temperature, softcap)
     log_p = z - log_z[:, None]
     p = torch.exp(log_p)
     grad = torch.zeros_like(z)
@@ -287,8 +378,12 @@ def grad_tile(
         grad += grad_logp[:, None] * (hit - p)
     if grad_entropy is not None:
         grad -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
-    if temperature != 1.0:
+    if _is_tensor(temperature):
+        grad /= temperature[:, None]
+    elif temperature != 1.0:
         grad /= temperature
+    if capped is not None:
+        grad *= 1.0 - capped * capped
     tile.copy_(grad)
 
 
@@ -449,11 +544,12 @@ class _TritonKernels:
 # ---------------------------------------------------------------- the passes
 
 
-def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan):
-    """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]."""
+def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan, temps=None):
+    """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]
+    (``temps``: per-token temperatures [T], or None for the plan's)."""
     stats = RowStats(x.shape[0], x.device, plan.entropy)
     local = targets - plan.vocab_start
-    fused = _gemm_lse(plan, x, weight)
+    fused = _gemm_lse(plan, x, weight) if temps is None and plan.softcap is None else None
     if fused is not None:
         for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
             m, s, zs, tz = fused.block_stats(x[r0:r1], weight, local[r0:r1], plan.temperature, plan.entropy)
@@ -466,7 +562,8 @@ def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
             block = weight[v0:v1]
             for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
                 tile = _fwd_mm(plan.mode, x[r0:r1], block)
-                fold_tile(tile, local[r0:r1], v0, plan.temperature, stats.rows(r0, r1))
+                temperature = plan.temperature if temps is None else temps[r0:r1]
+                fold_tile(tile, local[r0:r1], v0, temperature, stats.rows(r0, r1), plan.softcap)
                 del tile
     return _merge_ranks(stats, plan)
 
@@ -530,7 +627,7 @@ def _backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
             for r0, r1 in row_spans:
                 rows = slice(r0, r1)
                 row_grads = _RowGrads(
-                    local[rows], v0, plan.temperature, ctx.log_z[rows],
+                    local[rows], v0, plan.temperature if ctx.temps is None else ctx.temps[rows], ctx.log_z[rows],
                     None if ctx.ent is None else ctx.ent[rows],
                     None if grad_logp is None else grad_logp[rows],
                     None if grad_entropy is None else grad_entropy[rows],
@@ -549,7 +646,7 @@ class _RowGrads:
 
     targets: Any
     col0: int
-    temperature: float
+    temperature: Any  # a number, or [C] per row
     log_z: Any
     entropy: Any
     grad_logp: Any
@@ -581,9 +678,9 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bo
 
     tile = _fwd_mm(plan.mode, xr, block)
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
-    kernels = _triton(tile)
+    kernels = _triton(tile) if _scalar_steps(rows.temperature, plan.softcap) else None
     if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
-        grad_tile(tile, *args)
+        grad_tile(tile, *args, softcap=plan.softcap)
         if want_dw and acc is None and dw_dtype == torch.float32:
             acc = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         part, dw = _backward_gemms(
@@ -662,7 +759,7 @@ def _make_function() -> type:
 
     class ChunkedLogProbs(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan):
+        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps, plan: _Plan):
             if plan.fuse_wgrad and hasattr(weight, "__fsdp_param__"):
                 raise NotImplementedError(
                     "chunked_logprobs: Megatron-FSDP weights (__fsdp_param__) are not supported; "
@@ -672,10 +769,11 @@ def _make_function() -> type:
             full = _gather_tokens(hidden, plan) if plan.sequence_parallel else hidden
             x = full.reshape(-1, full.shape[-1])
             flat_targets = targets.reshape(-1).long()
-            log_z, target_logit, ent = _forward_stats(x, weight, flat_targets, plan)
+            log_z, target_logit, ent = _forward_stats(x, weight, flat_targets, plan, temps)
             # fresh tensors, no views made in here: a caller may scale them in place
             log_probs = target_logit.view(targets.shape) - log_z.view(targets.shape)
             ctx.plan = plan
+            ctx.temps = temps
             ctx.log_z = log_z
             ctx.ent = ent
             ctx.main_grad = weight.main_grad if plan.fuse_wgrad and hasattr(weight, "main_grad") else None
@@ -688,7 +786,7 @@ def _make_function() -> type:
             hidden, weight, targets = ctx.saved_tensors
             plan: _Plan = ctx.plan
             if grad_logp is None and grad_entropy is None:
-                return None, None, None, None
+                return None, None, None, None, None
             full = _gather_tokens(hidden, plan) if plan.sequence_parallel else hidden
             x = full.reshape(-1, full.shape[-1])
             grad_logp = None if grad_logp is None else grad_logp.reshape(-1).float().contiguous()
@@ -698,7 +796,7 @@ def _make_function() -> type:
                 dx = _sum_input_grad(dx, plan).to(hidden.dtype).view(ctx.hidden_shape)
             if ctx.needs_input_grad[1]:
                 dw = _deliver_weight_grad(weight, ctx.main_grad, ctx.main_grad if ctx.main_grad is not None else dw)
-            return dx, dw, None, None
+            return dx, dw, None, None, None
 
     return ChunkedLogProbs
 

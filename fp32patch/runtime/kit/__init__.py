@@ -24,8 +24,9 @@ The kit (pure Python, no torch at import):
   computes it with ``kernels.chunked_logprobs`` in that head's mode, and any other weight keeps
   the stack's own kernel.
 
-What a stack provides (``fp32patch/runtime/<stack>/``, each file short; NeMo-RL, verl, TRL and
-OpenRLHF are the examples to copy):
+What a stack provides (``fp32patch/runtime/<stack>/``, each file short; NeMo-RL, verl, TRL,
+OpenRLHF, slime, Prime-RL and AReaL are the examples to copy; Prime-RL's heads are its own classes, so
+it adds a ``head.py`` of fp32-grade forwards for them):
 
 1. ``config.py``: ``STACK = Stack(...)``; its rules, ``validate_fp32_lm_head_config(config,
    **kw) -> Settings`` (a frozen dataclass with ``notes``): where its trainer switch lives and

@@ -4,6 +4,7 @@ and the measured case against one side alone. Pure Python: no torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Mapping
 from typing import Any
@@ -23,9 +24,12 @@ ONE_SIDED_EVIDENCE = (
 
 
 def plain(value: Any) -> Any:
-    """Mappings and pydantic models as plain dicts (pydantic keeps extra keys in its dump)."""
+    """Mappings, dataclass instances (SkyRL's typed configs) and pydantic models as plain dicts
+    (pydantic keeps extra keys in its dump)."""
     if isinstance(value, Mapping):
         return {key: plain(item) for key, item in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     dump = getattr(value, "model_dump", None)  # pydantic 2
     if callable(dump) and not isinstance(value, type):
         return plain(dump())
@@ -72,6 +76,9 @@ def trainer_mode(raw: object, key: str) -> str | None:
         hint = quoted_boolean(raw)
         if not hint and isinstance(raw, str) and raw.strip().lower() in modes.TRAINER_MODES:
             hint = f' (did you mean "{raw.strip().lower()}"? the names are lower case)'
+        elif not hint and isinstance(raw, str):
+            close = difflib.get_close_matches(raw.strip().lower(), modes.TRAINER_MODES, n=1, cutoff=0.6)
+            hint = f' (did you mean "{close[0]}"?)' if close else ""
         raise Fp32LmHeadConfigError(
             f"{key} = {raw!r} is not valid{hint}; valid values: {modes.TRAINER_VALUES_TEXT}"
         ) from None

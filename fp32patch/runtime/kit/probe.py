@@ -142,14 +142,17 @@ class ProbeWorkerExtension:
 PROBE_EXTENSION = f"{__name__}.{ProbeWorkerExtension.__qualname__}"
 
 
-def server_reports(post: Callable[..., Any], base_url: str, *, where: str, how_to_start: str) -> Any:
+def server_reports(
+    post: Callable[..., Any], base_url: str, *, where: str, how_to_start: str, path: str = "/collective_rpc"
+) -> Any:
     """Every worker's probe report from a running vLLM OpenAI server, through its development
-    endpoint ``/collective_rpc`` (served with ``VLLM_SERVER_DEV_MODE=1``): ``post(url, json=...,
-    timeout=...)`` is the caller's HTTP client (a ``requests.Session.post``). A server that cannot
+    endpoint ``/collective_rpc`` (served with ``VLLM_SERVER_DEV_MODE=1``), or a route of a stack's
+    own server that asks its workers the same (``path``; it answers ``{"results": [...]}``):
+    ``post(url, json=..., timeout=...)`` is the caller's HTTP client (a ``requests.Session.post``). A server that cannot
     answer (unreachable, no development endpoints, workers without the probe's method: a plain
     ``vllm serve``) is refused with ``Fp32LmHeadMismatchError``: nobody could tell whether its
     logits are fp32. ``how_to_start`` says how to start one that can."""
-    url = f"{base_url.rstrip('/')}/collective_rpc"
+    url = f"{base_url.rstrip('/')}{path}"
     header = f"fp32patch ({where}): cannot probe the vLLM server's LM heads at {url}"
     try:
         response = post(url, json={"method": PROBE_RPC}, timeout=_SERVER_PROBE_TIMEOUT_S)
@@ -157,7 +160,11 @@ def server_reports(post: Callable[..., Any], base_url: str, *, where: str, how_t
         raise Fp32LmHeadMismatchError(f"{header}: {type(exc).__name__}: {exc}. {how_to_start}", []) from None
     status = getattr(response, "status_code", None)
     if status == 404:
-        why = "the server has no /collective_rpc (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+        why = (
+            "the server has no /collective_rpc (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+            if path == "/collective_rpc"
+            else f"the server has no {path} (its files are not patched?)"
+        )
     elif status != 200:
         text = " ".join(str(getattr(response, "text", "")).split())[:_BODY_SHOWN]
         why = f"it answered {status}: {text} (its workers have no {PROBE_RPC}: a plain `vllm serve`?)"

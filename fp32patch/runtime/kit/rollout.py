@@ -6,6 +6,7 @@ the setting and what to do; ``key`` is the stack's switch as its users write it.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -53,6 +54,10 @@ def read_vllm_switch(env_vars: Mapping[str, Any] | None, env_vars_at: str, envir
             if isinstance(raw, bool) or raw is None:
                 spelled = {True: "true", False: "false", None: "null"}[raw]
                 hint = f' (YAML {spelled} reaches vLLM as the string "{value}"; write 1 or 0)'
+            elif close := difflib.get_close_matches(
+                value.lower(), [*VLLM_ON_VALUES, *VLLM_OFF_VALUES], n=1, cutoff=0.6
+            ):
+                hint = f' (did you mean "{close[0]}"?)'
             raise Fp32LmHeadConfigError(f"{source} = {raw!r} is not valid{hint}; valid values: {VLLM_VALUES_TEXT}")
         return Switch(name, value, raw, source)
     return None

@@ -16,7 +16,6 @@ Two things Megatron cannot do on a CPU-only torch, and what stands in for them:
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,21 +42,16 @@ def use_cpu_for_cuda_buffers() -> None:
     torch.cuda.current_device = lambda: "cpu"  # see the module docstring
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_parallel(rank: int, world: int, port: int) -> None:
-    """gloo process group of ``world`` ranks, all of them one tensor-parallel group."""
+def init_parallel(rank: int, world: int, init_method: str) -> None:
+    """gloo process group of ``world`` ranks met at ``init_method`` (tests/support/rendezvous.py: no
+    port to race for), all of them one tensor-parallel group."""
     from megatron.core import parallel_state
+
+    from tests.support.rendezvous import init_gloo
 
     warnings.filterwarnings("ignore")
     use_cpu_for_cuda_buffers()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, init_method)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
 
 
@@ -272,9 +266,9 @@ def in_place_scenarios(rank: int, world: int) -> dict[tuple, dict[str, torch.Ten
     }
 
 
-def tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     """Entry point of each spawned rank: every scenario, results saved per rank."""
-    init_parallel(rank, world, port)
+    init_parallel(rank, world, init_method)
     try:
         results = {(variant, mode): run_scenario(variant, mode, rank, world) for variant in VARIANTS for mode in MODES}
         results.update(in_place_scenarios(rank, world))

@@ -43,8 +43,8 @@ def run(name: str, key=None, tied: bool = False, fused_key: str = "use_fused_lin
     return {"name": name, "key": key, "tied": tied, "fused_key": fused_key}
 
 
-def worker(rank: int, world: int, port: int, job: dict) -> None:
-    init_parallel(rank, world, port)
+def worker(rank: int, world: int, init_method: str, job: dict) -> None:
+    init_parallel(rank, world, init_method)
     sys.path.insert(0, job["root"])
     results: dict = {"runs": {}, "modules": []}
     try:

@@ -51,8 +51,8 @@ def run(name: str, *argv: str, role: str = "actor") -> dict:
     return {"name": name, "argv": [*BASE_ARGV, *argv], "role": role}
 
 
-def worker(rank: int, world: int, port: int, job: dict) -> None:
-    init_parallel(rank, world, port)
+def worker(rank: int, world: int, init_method: str, job: dict) -> None:
+    init_parallel(rank, world, init_method)
     sys.path[:0] = [job["root"], job["providers"], job["repo"]]
     from tests.fixtures.slime_shapes import install_sglang
 

@@ -22,7 +22,6 @@ from megatron_harness import (
     B,
     V,
     assert_within,
-    free_port,
     problem,
     run_scenario,
     seq_shard,
@@ -31,6 +30,7 @@ from megatron_harness import (
 )
 
 from tests.support.in_place import assert_same_bits
+from tests.support.rendezvous import file_store
 
 WORLD = 2
 
@@ -39,7 +39,8 @@ WORLD = 2
 def tp2(tmp_path_factory) -> list[dict]:
     """Every scenario's results from each of the two ranks."""
     out = tmp_path_factory.mktemp("tp2")
-    mp.spawn(tp_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
+    with file_store() as init_method:
+        mp.spawn(tp_worker, args=(WORLD, init_method, str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
 
 

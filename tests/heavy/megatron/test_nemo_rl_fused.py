@@ -23,8 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_harness import free_port
 from nemo_rl_fused import TEMPERATURE, reference, run, worker
+
+from tests.support.rendezvous import file_store
 
 STOCK = [run("stock-untied"), run("stock-tied", tied=True)]
 WIRED = [run("fp32out-untied", key="fp32out"), run("fp32out-tied", key="fp32out", tied=True)]
@@ -35,7 +36,8 @@ WORLDS = [1, 2]
 def _job(tmp_path_factory, root, world: int, phases) -> list[dict]:
     out = tmp_path_factory.mktemp(f"fused-tp{world}")
     job = {"root": str(root), "phases": phases, "out": str(out)}
-    mp.spawn(worker, args=(world, free_port(), job), nprocs=world, join=True)
+    with file_store() as init_method:
+        mp.spawn(worker, args=(world, init_method, job), nprocs=world, join=True)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 

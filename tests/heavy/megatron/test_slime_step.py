@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_harness import free_port
 from slime_step import reference, run, worker
+
+from tests.support.rendezvous import file_store
 
 OFF = [run("off")]
 ON = [
@@ -46,7 +47,8 @@ def _job(tmp_path_factory, root: Path, world: int, phases) -> dict:
     """Rank 0's results (every rank computes the same log-probs; the weights are gathered)."""
     out = tmp_path_factory.mktemp("slime-step")
     job = {"root": str(root), "providers": str(HERE), "repo": str(REPO), "phases": phases, "out": str(out)}
-    mp.spawn(worker, args=(world, free_port(), job), nprocs=world, join=True)
+    with file_store() as init_method:
+        mp.spawn(worker, args=(world, init_method, job), nprocs=world, join=True)
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
     for other in ranks[1:]:
         for name, record in other["runs"].items():

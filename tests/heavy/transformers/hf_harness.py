@@ -9,8 +9,6 @@ the head).
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,29 +138,27 @@ def rel_norm(got: torch.Tensor, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------- process groups
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def init_gloo(rank: int, world: int, init_method: str) -> None:
+    """The gloo group, met at ``init_method`` (tests/support/rendezvous.py: no port to race for)."""
+    from tests.support.rendezvous import init_gloo as meet
 
-
-def init_gloo(rank: int, world: int, port: int) -> None:
     warnings.filterwarnings("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    meet(rank, world, init_method)
 
 
 def spawn(worker: Callable, world: int, out_dir: str) -> None:
     """Run ``worker(rank, world, out_dir)`` on ``world`` gloo ranks, each in its own process."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(worker, world, free_port(), out_dir), nprocs=world, join=True)
+    from tests.support.rendezvous import file_store
+
+    with file_store() as init_method:
+        mp.spawn(_entry, args=(worker, world, init_method, out_dir), nprocs=world, join=True)
 
 
-def _entry(rank: int, worker: Callable, world: int, port: int, out_dir: str) -> None:
+def _entry(rank: int, worker: Callable, world: int, init_method: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on a two-core machine
-    init_gloo(rank, world, port)
+    init_gloo(rank, world, init_method)
     try:
         worker(rank, world, out_dir)
     finally:

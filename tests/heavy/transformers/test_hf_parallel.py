@@ -221,31 +221,35 @@ def test_the_tied_head_is_hidden_sharded_and_its_gradient_carries_both_uses(rank
 
 def test_unsupported_dtensor_layouts_are_refused_at_the_call():
     # a replicated weight, or an input the plan did not replicate: refused, never guessed
-    from hf_harness import free_port, init_gloo
+    from hf_harness import init_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from fp32patch.runtime.hf_lm_head import UnsupportedLmHeadError
+    from tests.support.rendezvous import file_store
 
-    init_gloo(0, 1, free_port())
-    try:
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-        w = torch.randn(V, 8).bfloat16()
-        x = torch.randn(2, 8).bfloat16()
-        replicated = DTensor.from_local(w, mesh, [Replicate()])
-        with pytest.raises(UnsupportedLmHeadError, match=r"weight placed Replicate\(\) is not supported"):
-            fp32_linear(DTensor.from_local(x, mesh, [Replicate()]), replicated, None, "fp32out")
-        sharded = DTensor.from_local(w, mesh, [Shard(0)])
-        with pytest.raises(UnsupportedLmHeadError, match=r"the input is a DTensor \(Shard\(dim=0\),\)"):
-            fp32_linear(DTensor.from_local(x, mesh, [Shard(0)]), sharded, None, "fp32out")
-        with pytest.raises(UnsupportedLmHeadError, match="the input is a plain tensor"):
-            fp32_linear(x, sharded, None, "fp32out")
-        bias = DTensor.from_local(torch.zeros(V).bfloat16(), mesh, [Replicate()])
-        with pytest.raises(UnsupportedLmHeadError, match=r"Shard\(dim=1\) with a bias"):
-            fp32_linear(
-                DTensor.from_local(x, mesh, [Replicate()]), DTensor.from_local(w, mesh, [Shard(1)]), bias, "fp32out"
-            )
-        with pytest.raises(UnsupportedLmHeadError, match="the input is a DTensor .* but the weight is a plain tensor"):
-            fp32_linear(DTensor.from_local(x, mesh, [Replicate()]), w, None, "fp32out")
-    finally:
-        torch.distributed.destroy_process_group()
+    with file_store() as init_method:
+        init_gloo(0, 1, init_method)
+        try:
+            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+            w = torch.randn(V, 8).bfloat16()
+            x = torch.randn(2, 8).bfloat16()
+            replicated = DTensor.from_local(w, mesh, [Replicate()])
+            with pytest.raises(UnsupportedLmHeadError, match=r"weight placed Replicate\(\) is not supported"):
+                fp32_linear(DTensor.from_local(x, mesh, [Replicate()]), replicated, None, "fp32out")
+            sharded = DTensor.from_local(w, mesh, [Shard(0)])
+            with pytest.raises(UnsupportedLmHeadError, match=r"the input is a DTensor \(Shard\(dim=0\),\)"):
+                fp32_linear(DTensor.from_local(x, mesh, [Shard(0)]), sharded, None, "fp32out")
+            with pytest.raises(UnsupportedLmHeadError, match="the input is a plain tensor"):
+                fp32_linear(x, sharded, None, "fp32out")
+            bias = DTensor.from_local(torch.zeros(V).bfloat16(), mesh, [Replicate()])
+            with pytest.raises(UnsupportedLmHeadError, match=r"Shard\(dim=1\) with a bias"):
+                fp32_linear(
+                    DTensor.from_local(x, mesh, [Replicate()]), DTensor.from_local(w, mesh, [Shard(1)]), bias, "fp32out"
+                )
+            with pytest.raises(
+                UnsupportedLmHeadError, match="the input is a DTensor .* but the weight is a plain tensor"
+            ):
+                fp32_linear(DTensor.from_local(x, mesh, [Replicate()]), w, None, "fp32out")
+        finally:
+            torch.distributed.destroy_process_group()

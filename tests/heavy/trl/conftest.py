@@ -100,34 +100,41 @@ def server(args: list[str], plugin_dir: Path, vllm_name: Path, log: Path, **vari
     ``/health`` answers."""
     import requests
 
-    from tests.heavy.vllm.conftest import free_port
+    from tests.support.rendezvous import SERVER_TRIES, lost_the_port, server_port
 
-    port = free_port()
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", *args, "--port", str(port)],
-            cwd=REPO,
-            env={**harness.environ(plugin_dir, PATCHED_ROOT, extra=(vllm_name,)), **variables},
-            stdout=out,
-            stderr=out,
-        )
-    url = f"http://127.0.0.1:{port}"
+    process = None
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-6000:]}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up in {SERVER_START_S} s:\n{log.read_text()[-6000:]}")
-            time.sleep(2)
+        for attempt in range(1, SERVER_TRIES + 1):
+            port = server_port()
+            with open(log, "wb") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", *args, "--port", str(port)],
+                    cwd=REPO,
+                    env={**harness.environ(plugin_dir, PATCHED_ROOT, extra=(vllm_name,)), **variables},
+                    stdout=out,
+                    stderr=out,
+                )
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + SERVER_START_S
+            while True:
+                if process.poll() is not None:
+                    if lost_the_port(log.read_text()) and attempt < SERVER_TRIES:
+                        break  # another process took the port first: again, on another port
+                    raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-6000:]}")
+                with contextlib.suppress(requests.RequestException):
+                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not come up in {SERVER_START_S} s:\n{log.read_text()[-6000:]}")
+                time.sleep(2)
+            if process.poll() is None:
+                break
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -18,6 +18,7 @@ and whether fp32patch was imported at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -164,13 +165,23 @@ def run(settings: RunSettings, lines: _Lines) -> dict[str, Any]:
     harness.force_plain_gemm()
     current: dict[str, dict[str, list]] = {"seen": {"trl": [], "fp32patch": []}}
     _spy_kernels(current)
-    result = train_one(settings, lines, current["seen"])
-    if settings.then is not None:
-        result["then"] = []
-        for mode in settings.then:
-            later = dataclasses.replace(settings, fp32_lm_head=mode, then=None)
-            current["seen"] = {"trl": [], "fp32patch": []}
-            result["then"].append(train_one(later, lines, current["seen"]))
+    with contextlib.ExitStack() as stack:
+        if settings.vllm_mode != "server":
+            # the one-rank group colocated vLLM joins (its external launcher reads env://, a port that TRL
+            # would pick and vLLM bind later): met at a file store instead, no port to lose; vLLM and
+            # accelerate take an initialised group as it is
+            import torch.distributed as dist
+
+            from tests.support.rendezvous import file_store
+
+            dist.init_process_group("gloo", init_method=stack.enter_context(file_store()), rank=0, world_size=1)
+        result = train_one(settings, lines, current["seen"])
+        if settings.then is not None:
+            result["then"] = []
+            for mode in settings.then:
+                later = dataclasses.replace(settings, fp32_lm_head=mode, then=None)
+                current["seen"] = {"trl": [], "fp32patch": []}
+                result["then"].append(train_one(later, lines, current["seen"]))
     return result
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -230,33 +229,34 @@ def register_cpu_platform() -> None:
 # ---------------------------------------------------------------- 2-rank gloo jobs
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn(worker: Callable, job: dict, world: int = WORLD) -> None:
     """Run ``worker(rank, world, job)`` on ``world`` gloo ranks, each a fresh process."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(worker, world, free_port(), job), nprocs=world, join=True)
+    from tests.support.rendezvous import file_store
+
+    with file_store() as init_method:
+        mp.spawn(_entry, args=(worker, world, init_method, job), nprocs=world, join=True)
 
 
-def _entry(rank: int, worker: Callable, world: int, port: int, job: dict) -> None:
+def _entry(rank: int, worker: Callable, world: int, init_method: str, job: dict) -> None:
     import datetime
     import warnings
 
     import torch
     import torch.distributed as dist
 
+    from tests.support.rendezvous import init_gloo
+
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    # verl's Worker records MASTER_ADDR and MASTER_PORT (KeyError without them); the group itself is met at
+    # the file store below and exists before any verl code runs, so no port is listened on or raced for
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), VERL_LOGGING_LEVEL="WARN")
     os.environ.pop("NRL_VLLM_FP32_LM_HEAD", None)
     torch.set_num_threads(1)  # two ranks on a two-core machine
     # a rank that fails alone leaves the other in a collective: time out rather than hang
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=3))
+    init_gloo(rank, world, init_method, timeout=datetime.timedelta(minutes=3))
     try:
         worker(rank, world, job)
     finally:

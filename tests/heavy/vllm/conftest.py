@@ -13,7 +13,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -58,18 +57,13 @@ def pytest_unconfigure(config):
         shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def vllm_runtime():
     """vLLM's distributed state (gloo, world size 1) and a builder of tiny NemotronH models."""
     from tests.heavy.vllm import tiny
+    from tests.support.rendezvous import file_store
 
-    with tiny.session(free_port()) as builder:
+    with file_store() as init_method, tiny.session(init_method) as builder:
         yield builder
 
 

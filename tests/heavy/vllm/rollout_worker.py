@@ -17,7 +17,7 @@ from tests.heavy.vllm import tiny
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 
 
-def worker(rank: int, world: int, port: int, root: str, drop_var: bool, results) -> None:
+def worker(rank: int, world: int, init_method: str, root: str, drop_var: bool, results) -> None:
     """Load the tiny model from the patched import root ``root`` and record the probe's report;
     ``drop_var``: the worker's environment loses the variable (workers the switch did not reach,
     as when it is set after the engine started)."""
@@ -25,7 +25,7 @@ def worker(rank: int, world: int, port: int, root: str, drop_var: bool, results)
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     if drop_var:
         os.environ.pop(VAR, None)
-    with tiny.session(port, world=world, rank=rank) as builder:
+    with tiny.session(init_method, world=world, rank=rank) as builder:
         model = builder.model()
         gen = torch.Generator().manual_seed(7)
         weight = (torch.randn(tiny.VOCAB, tiny.HIDDEN, generator=gen) * 0.5).to(torch.bfloat16)

@@ -23,8 +23,9 @@ import torch
 from fp32patch.runtime.nemo_rl import Fp32LmHeadMismatchError, check_probe_reports, probe_vllm_model
 from fp32patch.runtime.vllm_probe import MARKER
 from tests.heavy.vllm import tiny
-from tests.heavy.vllm.conftest import NEMOTRON, PATCHED_ROOT, free_port
+from tests.heavy.vllm.conftest import NEMOTRON, PATCHED_ROOT
 from tests.heavy.vllm.test_vllm_runtime import GraphWrapperShape, VLShape
+from tests.support.rendezvous import file_store
 
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 KEY = "policy.megatron_cfg.fp32_lm_head"
@@ -299,7 +300,7 @@ def _full_weight() -> torch.Tensor:
     return (torch.randn(tiny.VOCAB, tiny.HIDDEN, generator=gen) * 0.5).to(torch.bfloat16)
 
 
-def _worker(rank: int, world: int, port: int, value: str | None, all_gather: bool, results) -> None:
+def _worker(rank: int, world: int, init_method: str, value: str | None, all_gather: bool, results) -> None:
     """One vLLM worker: its own process and environment, the model loaded, then the probe (as
     NeMo-RL's worker extension runs it on collective_rpc)."""
     sys.path.insert(0, str(PATCHED_ROOT))
@@ -308,7 +309,7 @@ def _worker(rank: int, world: int, port: int, value: str | None, all_gather: boo
         os.environ.pop(VAR, None)
     else:
         os.environ[VAR] = value
-    with tiny.session(port, world=world, rank=rank) as builder:
+    with tiny.session(init_method, world=world, rank=rank) as builder:
         model = builder.model()
         model.load_weights([("lm_head.weight", _full_weight())])
         # False: vLLM's gather to rank 0 (other ranks get None), as on platforms without all-gather
@@ -320,7 +321,8 @@ def _spawn(world: int, value: str | None, all_gather: bool = True) -> list[dict]
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, free_port(), value, all_gather, results), nprocs=world, join=True)
+    with file_store() as init_method:
+        mp.spawn(_worker, args=(world, init_method, value, all_gather, results), nprocs=world, join=True)
     return [dict(results[rank]) for rank in range(world)]
 
 

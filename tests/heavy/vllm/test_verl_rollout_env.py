@@ -27,8 +27,9 @@ from fp32patch.runtime.verl import (
     check_reports,
     set_vllm_env,
 )
-from tests.heavy.vllm.conftest import PATCHED_ROOT, free_port
+from tests.heavy.vllm.conftest import PATCHED_ROOT
 from tests.heavy.vllm.rollout_worker import worker
+from tests.support.rendezvous import file_store
 
 VAR = "NRL_VLLM_FP32_LM_HEAD"
 WHERE = "vLLM rollout server"
@@ -46,7 +47,8 @@ def _spawn_workers(drop_var: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.spawn(worker, args=(2, free_port(), str(PATCHED_ROOT), drop_var, results), nprocs=2, join=True)
+    with file_store() as init_method:
+        mp.spawn(worker, args=(2, init_method, str(PATCHED_ROOT), drop_var, results), nprocs=2, join=True)
     return [dict(results[rank]) for rank in range(2)]
 
 

@@ -250,12 +250,12 @@ def test_patched_file_works_where_fp32patch_is_not_installed(tmp_path, family, s
     """Off: stock behaviour. On: the first use fails, saying fp32patch is missing."""
     probe = tmp_path / "heavy_probe.py"
     probe.write_text(
-        "import contextlib, socket\n"
+        "import contextlib\n"
         "import tests.heavy.vllm.tiny as tiny\n"
+        "from tests.support.rendezvous import file_store\n"
         "@contextlib.contextmanager\n"
         "def tiny_session():\n"
-        "    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
-        "    with tiny.session(port) as builder:\n"
+        "    with file_store() as init_method, tiny.session(init_method) as builder:\n"
         "        yield builder.model\n"
     )
     # the test helpers travel without the fp32patch package: copy just tests/

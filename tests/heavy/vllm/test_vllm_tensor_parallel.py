@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.heavy.vllm import tiny
-from tests.heavy.vllm.conftest import PATCHED_ROOT, free_port
+from tests.heavy.vllm.conftest import PATCHED_ROOT
+from tests.support.rendezvous import file_store
 
 
 def _full_weight() -> torch.Tensor:
@@ -22,7 +23,7 @@ def _hidden() -> torch.Tensor:
     return (torch.randn(6, tiny.HIDDEN, generator=gen) * 3).to(torch.bfloat16)
 
 
-def _rank(rank: int, world: int, port: int, way: str, results) -> None:
+def _rank(rank: int, world: int, init_method: str, way: str, results) -> None:
     import sys
 
     sys.path.insert(0, str(PATCHED_ROOT))
@@ -31,7 +32,7 @@ def _rank(rank: int, world: int, port: int, way: str, results) -> None:
         os.environ.pop("NRL_VLLM_FP32_LM_HEAD", None)
     else:
         os.environ["NRL_VLLM_FP32_LM_HEAD"] = way
-    with tiny.session(port, world=world, rank=rank) as builder:
+    with tiny.session(init_method, world=world, rank=rank) as builder:
         model = builder.model()
         # the checkpoint's weight, loaded the way vLLM shards it across ranks
         model.load_weights([("lm_head.weight", _full_weight())])
@@ -44,7 +45,8 @@ def test_tp2_gives_the_logits_of_one_rank(way):
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(2, free_port(), way, results), nprocs=2, join=True)
+    with file_store() as init_method:
+        mp.spawn(_rank, args=(2, init_method, way, results), nprocs=2, join=True)
     logits = results[0]  # vLLM gathers the vocabulary shards on rank 0
     assert logits.shape == (6, tiny.VOCAB)  # padding trimmed after the gather
     ref = _hidden().double() @ _full_weight().double().t()

@@ -295,7 +295,9 @@ def cpu_platform() -> None:
 
 
 @contextlib.contextmanager
-def session(port: int, world: int = 1, rank: int = 0) -> Iterator[Builder]:
+def session(init_method: str, world: int = 1, rank: int = 0) -> Iterator[Builder]:
+    """vLLM's distributed state over gloo, its ranks met at ``init_method`` (a ``file://`` store from
+    tests/support/rendezvous.py: no port to race for), and a builder of tiny models."""
     cpu_platform()
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -306,7 +308,7 @@ def session(port: int, world: int = 1, rank: int = 0) -> Iterator[Builder]:
         init_distributed_environment(
             world_size=world,
             rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            distributed_init_method=init_method,
             local_rank=rank,
             backend="gloo",
         )

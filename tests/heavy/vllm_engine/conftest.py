@@ -162,45 +162,54 @@ def server_on(model_dir, plugin_dir, tmp_path_factory) -> Iterator[str]:
     127.0.0.1, patched, the switch on, the real weights loaded; its base URL."""
     import httpx
 
-    port = vllm_suite.free_port()
+    from tests.support.rendezvous import SERVER_TRIES, lost_the_port, server_port
+
     log = tmp_path_factory.mktemp("server") / "server.log"
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--worker-extension-cls",
-        harness.EXTENSION,
-        *harness.server_flags(),
-    ]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(args, cwd=REPO, env=engine_environ(plugin_dir, "1"), stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
+    process = None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+        for attempt in range(1, SERVER_TRIES + 1):
+            port = server_port()
+            args = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--served-model-name",
+                "tiny",
+                "--worker-extension-cls",
+                harness.EXTENSION,
+                *harness.server_flags(),
+            ]
+            with open(log, "wb") as out:
+                process = subprocess.Popen(args, cwd=REPO, env=engine_environ(plugin_dir, "1"), stdout=out, stderr=out)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                if process.poll() is not None:
+                    if lost_the_port(log.read_text()) and attempt < SERVER_TRIES:
+                        break  # another process took the port first: again, on another port
+                    raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
+                time.sleep(1)
+            if process.poll() is None:
+                break
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,85 @@
+def _fp32patch_asked(value):
+    """Whether trainer.fp32_lm_head asks for the fp32 LM head: anything but absent, false, "" or a spelling of false (else the stock code runs, fp32patch unimported)."""
+    if value is None or value is False:
+        return False
+    return str(value).strip().lower() not in ("", "false", "no", "f", "n", "0", "off")
+
+
+def _fp32patch_env_asked():
+    """Whether vLLM's switch (FP32PATCH_VLLM_LM_HEAD or NRL_VLLM_FP32_LM_HEAD) in this process asks vLLM for fp32 logits."""
+    import os
+
+    names = ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD")
+    return any(str(os.environ.get(name, "")).strip() not in ("", "0") for name in names)
+
+
+def _fp32patch_key(cfg):
+    """trainer.fp32_lm_head of a SkyRL config (the whole config, or its trainer section)."""
+    trainer = getattr(cfg, "trainer", cfg)
+    return getattr(trainer, "fp32_lm_head", None)
+
+
+def _fp32patch_runtime(where):
+    """fp32patch's SkyRL runtime; a run that asks for it where fp32patch is missing is an error."""
+    try:
+        import fp32patch.runtime.skyrl as runtime
+    except ImportError as exc:
+        import sys
+
+        raise RuntimeError(
+            f"{where}: this SkyRL run asks for fp32patch's fp32 LM head (trainer.fp32_lm_head, or vLLM's switch "
+            f"FP32PATCH_VLLM_LM_HEAD / NRL_VLLM_FP32_LM_HEAD), but fp32patch cannot be imported by {sys.executable} "
+            f"({exc}). Install fp32patch into this environment, or drop those settings."
+        ) from exc
+    return runtime
+
+
+def _fp32patch_check_config(cfg):
+    """fp32patch's guard on SkyRL's config, where trainer.fp32_lm_head or vLLM's switch asks for an fp32 LM head."""
+    if _fp32patch_asked(_fp32patch_key(cfg)) or _fp32patch_env_asked():
+        _fp32patch_runtime("validate_cfg").check_config(cfg)
+
+
+def _fp32patch_engine_args(args, cfg):
+    """vLLM's own head_dtype float32 in the server's arguments, where trainer.fp32_lm_head asks."""
+    if _fp32patch_asked(_fp32patch_key(cfg)):
+        _fp32patch_runtime("build_vllm_cli_args").engine_args(args, cfg)
+
+
+def _fp32patch_probe_servers(cfg, server_urls):
+    """fp32patch's startup probe of every vLLM server's workers, where trainer.fp32_lm_head asks."""
+    if _fp32patch_asked(_fp32patch_key(cfg)):
+        _fp32patch_runtime("build_new_inference_client").probe_servers(cfg, server_urls)
+
+
+def _fp32patch_wire(wrapper, cfg, role):
+    """The fp32 LM head and chunked log-probs for this HFModelWrapper (policy or reference), where trainer.fp32_lm_head asks."""
+    if _fp32patch_asked(_fp32patch_key(cfg)):
+        _fp32patch_runtime(role).wire_hf(wrapper, cfg, role=role)
+
+
+def _fp32patch_wire_megatron(wrapper):
+    """The fp32 output layer for this MegatronModelWrapper's model chunks, where trainer.fp32_lm_head asks."""
+    if _fp32patch_asked(_fp32patch_key(wrapper.cfg)):
+        _fp32patch_runtime("MegatronModelWrapper").wire_megatron(wrapper)
+
+
+def _fp32patch_model(wrapper, targets, temperature, log_probs, entropy):
+    """The model HFModelWrapper.forward calls: its own, unless fp32patch's wiring marked the wrapper."""
+    if getattr(wrapper, "_fp32patch_lm_head", None) is None:
+        return wrapper.model
+    return _fp32patch_runtime("HFModelWrapper.forward").model_call(wrapper, targets, temperature, log_probs, entropy)
+
+
+def _fp32patch_log_probs_fn(wrapper, stock):
+    """logprobs_from_logits for HFModelWrapper.forward: SkyRL's own, unless fp32patch's wiring marked the wrapper."""
+    if getattr(wrapper, "_fp32patch_lm_head", None) is None:
+        return stock
+    return _fp32patch_runtime("HFModelWrapper.forward").log_probs_fn(stock)
+
+
+def _fp32patch_entropy_fn(wrapper, stock):
+    """The entropy function HFModelWrapper.forward calls: SkyRL's own, unless fp32patch's wiring marked the wrapper."""
+    if getattr(wrapper, "_fp32patch_lm_head", None) is None:
+        return stock
+    return _fp32patch_runtime("HFModelWrapper.forward").entropy_fn(stock)

@@ -1,0 +1,199 @@
+"""AReaL's Megatron side from its one key, on a real megatron-core GPTModel (CPU, gloo, TP=1).
+
+AReaL 1.0.4's own files, from its wheel (cached under $FP32PATCH_TEST_CACHE): ``megatron_engine.py``
+patched by the spec (``fp32patch``'s transform, as ``apply`` writes it), whose gate
+``_fp32patch_wire_megatron`` runs where ``MegatronEngine.initialize`` calls it, on an engine that
+holds the model chunks as ``make_mcore_model`` returns them (a GPTModel in megatron-core's
+Float16Module) and AReaL's config shape (``megatron.enable_fp32_lm_head``); and AReaL's own log-prob
+code, ``areal/utils/functional/vocab_parallel.py``'s ``gather_logprobs_entropy`` (its one import
+from AReaL, ``areal.infra.platforms.is_npu_available``, stood in: False). One step: a packed
+batch-1 micro-batch (three samples in one row, block-diagonal attention, positions restarting),
+AReaL's labels (``torch.roll(input_ids, -1)``), log-probs and entropy at the temperature, a
+policy-gradient loss with an entropy bonus, backward.
+
+- key on: the log-probs and entropy are within 1e-4 (here 2e-5) of the float64 ones of the step's
+  own hidden states and output weight, where the stock step's miss them by more; the weight
+  gradient is fp32out's; the logits scaled in place (``logits.div_(T)``) give the same step;
+- key off: the patched file's gate leaves the model alone and imports nothing of fp32patch; the
+  step is the stock one's bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from megatron_harness import S, V, config, gpt_model
+from nemo_rl_fused import PACKED_LENGTHS, no_rng_fork
+
+from fp32patch.patcher.spec import load_specs
+from fp32patch.patcher.transform import transform
+from fp32patch.runtime.heads.megatron import fp32_lm_head_mode
+from tests.support.lifecycle import gate_namespace
+from tests.support.pypi import member_files
+
+SPEC = "areal-fp32-lm-head"
+VERSION = "1.0.4"
+ENGINE = "areal/engine/megatron_engine.py"
+VOCAB_PARALLEL = "areal/utils/functional/vocab_parallel.py"
+TEMPERATURE = 0.7
+ENTROPY_COEF = 0.01
+BOUND = 2e-5  # |Δ| against float64 of fp32-rounded logits below 10 in magnitude, over 128 entries
+
+
+@pytest.fixture(scope="module")
+def areal_files() -> dict[str, bytes]:
+    spec = next(s for s in load_specs() if s.id == SPEC)
+    paths = [p for _, p in spec.target.files]
+    files = member_files("areal", VERSION, [*paths, VOCAB_PARALLEL])
+    stock = {p: files[p].read_bytes() for p in paths if p in files}
+    result = transform(spec, stock, path=ENGINE, version=VERSION)
+    assert result.status == "applied", result.message
+    return {"stock": stock[ENGINE], "patched": result.files[ENGINE], "vocab": files[VOCAB_PARALLEL].read_bytes()}
+
+
+@pytest.fixture(scope="module")
+def vocab_parallel(areal_files, tmp_path_factory):
+    """AReaL 1.0.4's own log-prob module, imported from its wheel's file."""
+    platforms = ModuleType("areal.infra.platforms")
+    platforms.is_npu_available = False  # stand-in: AReaL's platform probe (CUDA, NPU, CPU)
+    for name in ("areal", "areal.infra"):
+        sys.modules.setdefault(name, ModuleType(name))
+    sys.modules["areal.infra.platforms"] = platforms
+    path = tmp_path_factory.mktemp("areal") / "vocab_parallel.py"
+    path.write_bytes(areal_files["vocab"])
+    spec = importlib.util.spec_from_file_location("areal_vocab_parallel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def engine(on: bool) -> SimpleNamespace:
+    """An AReaL MegatronEngine as the gate sees it: its config and the chunks make_mcore_model built."""
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = config(hidden_dropout=0.0, attention_dropout=0.0)
+    chunk = Float16Module(cfg, gpt_model(cfg))
+    megatron = SimpleNamespace(enable_fp32_lm_head=on, enable_chunked_logits=False)
+    engine_config = SimpleNamespace(
+        megatron=megatron,
+        fsdp=SimpleNamespace(enable_fp32_lm_head=False),
+        archon=SimpleNamespace(enable_fp32_lm_head=False),
+        is_critic=False,
+        experiment_name="areal-step",
+        trial_name="t0",
+    )
+    return SimpleNamespace(config=engine_config, model=[chunk])
+
+
+def batch() -> dict:
+    ids = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS]).unsqueeze(0)
+    blocks = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool) for n in PACKED_LENGTHS])
+    mask = ~(blocks & torch.ones(S, S, dtype=torch.bool).tril())
+    last = torch.cat([torch.arange(n) == n - 1 for n in PACKED_LENGTHS])
+    advantages = torch.linspace(-1.0, 1.0, S).masked_fill(last, 0.0)
+    return {"ids": ids, "positions": positions, "mask": mask[None, None], "advantages": advantages}
+
+
+def step(eng: SimpleNamespace, vocab_parallel, *, in_place: bool = False) -> dict:
+    """One AReaL step: the model's logits, AReaL's labels and log-prob code, loss, backward."""
+    model = eng.model[0]
+    gpt = model.module
+    seen: dict = {}
+    gpt.decoder.register_forward_hook(lambda module, args, out: seen.__setitem__("hidden", out.detach()))
+    data = batch()
+    with no_rng_fork():
+        logits = model(data["ids"], data["positions"], data["mask"]).squeeze(0)  # [s, v]
+    labels = torch.roll(data["ids"], shifts=-1, dims=-1).squeeze(0)
+    temperature = TEMPERATURE
+    if in_place:
+        logits.div_(TEMPERATURE)  # a trainer scaling the logits in place
+        temperature = 1.0
+    logp, entropy = vocab_parallel.gather_logprobs_entropy(logits, labels, temperature=temperature)
+    loss = -(data["advantages"] * logp).mean() - ENTROPY_COEF * entropy.mean()
+    loss.backward()
+    weight = gpt.output_layer.weight
+    grad = getattr(weight, "main_grad", None)
+    return {
+        "logits_dtype": logits.dtype,
+        "log_probs": logp.detach(),
+        "entropy": entropy.detach(),
+        "hidden": seen["hidden"].squeeze(1).double(),
+        "weight": weight.detach().double(),
+        "weight_grad": (grad if grad is not None else weight.grad).detach().double(),
+        "grads": {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None},
+        "mode": fp32_lm_head_mode(gpt.output_layer),
+        "ids": data["ids"].squeeze(0),
+        "advantages": data["advantages"],
+    }
+
+
+def reference(record: dict) -> dict:
+    """float64 log-probs, entropy and weight gradient of the step's own hidden states and weight."""
+    weight = record["weight"].clone().requires_grad_()
+    logits = record["hidden"] @ weight.t() / TEMPERATURE
+    logp_all = torch.log_softmax(logits, dim=-1)
+    labels = torch.roll(record["ids"], -1)
+    logp = logp_all.gather(-1, labels[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    loss = -(record["advantages"].double() * logp).mean() - ENTROPY_COEF * entropy.mean()
+    (grad,) = torch.autograd.grad(loss, weight)
+    return {"log_probs": logp.detach(), "entropy": entropy.detach(), "weight_grad": grad}
+
+
+def _gate(source: bytes):
+    namespace, imported = gate_namespace(source)
+    return namespace["_fp32patch_wire_megatron"], imported
+
+
+def test_the_key_on_gives_fp32_grade_log_probs_and_entropy(tp1, areal_files, vocab_parallel):
+    wire, _ = _gate(areal_files["patched"])
+    on = engine(True)
+    wire(on)
+    record = step(on, vocab_parallel)
+    assert record["logits_dtype"] == torch.float32 and record["mode"] == "fp32out"
+    ref = reference(record)
+    for name in ("log_probs", "entropy"):
+        err = (record[name].double() - ref[name]).abs().max().item()
+        assert err < BOUND, (name, err)
+    # the stock step misses float64 by bf16's rounding of the logits
+    stock = step(engine(False), vocab_parallel)
+    stock_ref = reference(stock)
+    assert (stock["log_probs"].double() - stock_ref["log_probs"]).abs().max().item() > 5 * BOUND
+    # the weight gradient (bf16, as the stock head gives it without DDP's main_grad): within bf16's
+    # rounding of float64's, as a whole (fp32out's grad_output, TF32's 11 bits, is inside that)
+    grad, want = record["weight_grad"], ref["weight_grad"]
+    assert (grad - want).norm() / want.norm() < 2.0**-8
+
+
+def test_logits_scaled_in_place_give_the_same_step(tp1, areal_files, vocab_parallel):
+    wire, _ = _gate(areal_files["patched"])
+    first, second = engine(True), engine(True)
+    wire(first)
+    wire(second)
+    divided = step(first, vocab_parallel)
+    in_place = step(second, vocab_parallel, in_place=True)
+    for name in ("log_probs", "entropy"):
+        assert torch.allclose(in_place[name], divided[name], rtol=0, atol=2e-5), name
+    assert in_place["grads"].keys() == divided["grads"].keys()
+    for name, grad in in_place["grads"].items():
+        assert torch.allclose(grad.float(), divided["grads"][name].float(), rtol=1e-3, atol=1e-5), name
+
+
+def test_the_key_off_is_the_stock_step_bit_for_bit(tp1, areal_files, vocab_parallel):
+    wire, imported = _gate(areal_files["patched"])
+    off = engine(False)
+    wire(off)
+    assert not [m for m in imported if m.startswith("fp32patch")], imported
+    patched, stock = step(off, vocab_parallel), step(engine(False), vocab_parallel)
+    assert patched["mode"] is None
+    for name in ("log_probs", "entropy"):
+        assert torch.equal(patched[name], stock[name]), name
+    assert patched["grads"].keys() == stock["grads"].keys()
+    for name, grad in patched["grads"].items():
+        assert torch.equal(grad, stock["grads"][name]), name
+    assert b"_fp32patch_wire_megatron" not in areal_files["stock"]

@@ -1,0 +1,142 @@
+"""The whole-step benchmark (bench/step.py) on the CPU: a smoke run of the grid on a tiny
+Qwen2-shaped model, tied and untied; the ways it compares compute the same log-probs and
+entropy (fp32patch's at fp32 grade); a way that runs out of memory is recorded as such and the
+others still run; choose_tiles' table comes out of a head sweep's numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import step
+from fp32patch.runtime.kernels.chunked_logprobs import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB, choose_tiles
+
+
+@pytest.fixture
+def cpu(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(step, "DEVICE", "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny products: a second thread only spins
+    yield
+    torch.set_num_threads(threads)
+
+
+MODELS = ["tiny-tied", "tiny-untied"]
+
+
+def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> None:
+    out = tmp_path / "step.json"
+    ways = ["stock", "fp32patch", "verl-fused", "trl-chunked", "fp32patch-trl"]
+    try:
+        assert step.main(["--cpu", "--models", *MODELS, "--tokens", "24", "--out", str(out), "--ways", *ways]) == 0
+    finally:
+        step.DEVICE = "cuda"
+    results = json.loads(out.read_text())
+    cells = {(c["model"], c["entropy"]): c for c in results["cells"]}
+    assert set(cells) == {(m, e) for m in MODELS for e in (False, True)}
+    for (_, entropy), cell in cells.items():
+        # TRL's chunked path gives log-probs only: it sits out the entropy cells
+        expected = {w for w in ways if not entropy or step.WAYS[w][1]}
+        assert set(cell["ways"]) == expected
+        assert all(r["ms"] > 0 and len(r["ms_steps"]) == 1 for r in cell["ways"].values())
+        assert cell["tiles"] == list(choose_tiles(24, step.MODELS["tiny-tied"]["vocab"], 32))
+    printed = capsys.readouterr().out
+    assert "| tiny-untied | 24 | on |" in printed and "| tiny-tied | 24 | off |" in printed
+    for stack, _, _ in step.PAIRS[:3]:
+        assert f"### {stack}" in printed
+
+
+@pytest.mark.parametrize("name", ["tiny-tied", "tiny-untied"])
+def test_the_ways_compute_the_same_log_probs(cpu: None, name: str) -> None:
+    model = step.build_model(name, "torch")
+    cell = step.Cell(model, 20, step.MODELS[name]["vocab"], seed=3)
+    with torch.no_grad():
+        # logits of real models' size (max |z| ~ 10-20), not the init's ~0.1 (a tied head scales
+        # the embedding too, which then dominates the one-layer body)
+        model.lm_head.weight.mul_(10 if step.MODELS[name]["tied"] else 40)
+        hidden = model.model(cell.ids).last_hidden_state[0]
+        z = (hidden.double() @ model.lm_head.weight.double().t()) / step.TEMPERATURE
+        ref = torch.log_softmax(z, dim=-1)
+        ref_logp = ref.gather(1, cell.targets[0, :, None])[:, 0]
+        ref_ent = -(ref.exp() * ref).sum(-1)
+        got = {w: step.way(w)[0](model, cell.ids, cell.targets, True) for w in ("stock", "fp32patch", "verl-fused")}
+    logp, ent = got["fp32patch"]
+    assert (logp[0].double() - ref_logp).abs().max() < 1e-5  # an exact upcast on the CPU
+    assert (ent[0].double() - ref_ent).abs().max() < 1e-5
+    assert ref_logp.abs().mean() > 2 and ref_ent.mean() > 0.5  # neither uniform nor one-hot
+    for w in ("stock", "verl-fused"):  # the bf16 head's logits: bf16 grade
+        assert (got[w][0][0].double() - ref_logp).abs().max() < 0.25
+        assert (got[w][1][0].double() - ref_ent).abs().max() < 0.25
+    trl = step.way("trl-chunked")[0](model, cell.ids, cell.targets, False)[0]
+    assert (trl[0].double() - ref_logp).abs().max() < 0.25
+
+
+def test_a_way_out_of_memory_is_recorded_and_the_others_still_run(cpu: None, monkeypatch) -> None:
+    def oom(model, ids, targets, entropy):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+    monkeypatch.setitem(step.WAYS, "stock", (oom, True))
+    model = step.build_model("tiny-tied", "torch")
+    cell = step.Cell(model, 16, step.MODELS["tiny-tied"]["vocab"])
+    out = step.measure_cell(cell, step._optimizer(model), ["stock", "fp32patch"], False, 16)
+    assert out["stock"]["oom"] and "out of memory" in out["stock"]["error"]
+    assert out["fp32patch"]["ms"] > 0
+    row = {"model": "tiny-tied", "tokens": 16, "entropy": False, "tiles": [1, 1], "ways": out}
+    text = step.table({"cells": [row]})
+    assert "| tiny-tied | 16 | off | out of memory |" in text
+    assert "| — | OOM → 0.0 |" in text
+    assert all(p.grad is None for p in model.parameters())  # the failed step left no gradients
+
+
+def test_a_way_out_of_memory_after_its_warm_up_is_recorded_too(cpu: None, monkeypatch) -> None:
+    calls = []
+    fits = step.way("fp32patch")[0]
+
+    def third_step_ooms(model, ids, targets, entropy):
+        calls.append(1)
+        if len(calls) == 3:  # two warm-up steps fit, the first timed one does not
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fits(model, ids, targets, entropy)
+
+    monkeypatch.setitem(step.WAYS, "stock", (third_step_ooms, True))
+    monkeypatch.setattr(step, "plan", lambda tokens: (2, 2, 2))
+    model = step.build_model("tiny-untied", "torch")
+    cell = step.Cell(model, 16, step.MODELS["tiny-untied"]["vocab"])
+    out = step.measure_cell(cell, step._optimizer(model), ["stock", "fp32patch"], False, 16)
+    assert out["stock"]["oom"] and out["stock"]["after_warmup"]
+    assert len(calls) == 3  # not tried again in the next round
+    assert len(out["fp32patch"]["ms_steps"]) == 4
+
+
+def test_the_rule_takes_the_fastest_tile_within_the_stock_peak() -> None:
+    def cell(tokens, entropy, ways):
+        return {"hidden": 896, "vocab": 151936, "tokens": tokens, "entropy": entropy, "ways": ways}
+
+    def r(ms, peak):
+        return {"ms": ms, "peak_gib": peak}
+
+    results = {
+        "cells": [
+            # the one tile is fastest but over stock's peak with the entropy on: the next fits
+            cell(4096, False, {"stock": r(10, 5.0), "8192x16384": r(12, 1.0), "0x0": r(7, 4.0), "8192x0": r(9, 3.0)}),
+            cell(4096, True, {"stock": r(14, 5.5), "8192x16384": r(13, 1.0), "0x0": r(8, 6.0), "8192x0": r(10, 3.0)}),
+            # stock out of memory: the fastest that ran
+            cell(65536, False, {"stock": {"oom": True}, "8192x16384": r(90, 8.0), "0x0": {"oom": True}}),
+            cell(65536, True, {"stock": {"oom": True}, "8192x16384": r(95, 8.0), "0x0": {"oom": True}}),
+        ]
+    }
+    assert step.rule_from_head(results) == {(896, 4096): (8192, 0), (896, 65536): (8192, 16384)}
+
+
+def test_choose_tiles_gives_the_measured_defaults_and_explicit_tiles_win() -> None:
+    assert choose_tiles(4096, 151936, 896) == (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB)
+    from fp32patch.runtime.kernels import chunked_logprobs as module
+
+    x = torch.randn(5, 8).bfloat16()
+    w = torch.randn(11, 8).bfloat16()
+    plan = module._plan(
+        x, w, torch.zeros(5, dtype=torch.long), "fp32out", 1.0, False, None, None, False, False, 2, None
+    )
+    assert (plan.chunk_rows, plan.chunk_vocab) == (2, DEFAULT_CHUNK_VOCAB)

@@ -1,0 +1,114 @@
+"""SkyRL's guard (fp32patch.runtime.skyrl.config) on configs shaped as SkyRL 0.4.0's dataclasses
+(``SkyRLTrainConfig``: ``trainer`` and ``generator.inference_engine``), plain or as dataclasses,
+and its probe's verdicts on the reports vLLM workers give. Pure Python: no torch, no SkyRL."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
+from fp32patch.runtime.skyrl import check_servers, validate_fp32_lm_head_config
+from fp32patch.runtime.skyrl.config import requested_mode
+
+
+def _cfg(trainer: dict | None = None, engine: dict | None = None) -> dict[str, Any]:
+    return {
+        "trainer": {"strategy": "fsdp", "bf16": True, "fp32_lm_head": "fp32out", **(trainer or {})},
+        "generator": {"inference_engine": {"backend": "vllm", "model_dtype": "bfloat16", **(engine or {})}},
+    }
+
+
+def _check(cfg, environ=None, vllm=(0, 30, 0)):
+    return validate_fp32_lm_head_config(cfg, environ=environ or {}, vllm_version=vllm)
+
+
+@dataclasses.dataclass
+class _Trainer:
+    strategy: str = "megatron"
+    fp32_lm_head: Any = True
+    fused_lm_head_logprob: bool = False
+
+
+@dataclasses.dataclass
+class _Whole:
+    trainer: _Trainer = dataclasses.field(default_factory=_Trainer)
+
+
+def test_on_off_and_the_dataclasses_skyrl_builds():
+    assert _check(_cfg()).mode == "fp32out"
+    assert _check(_cfg({"fp32_lm_head": False})).mode is None
+    settings = _check(_Whole())
+    assert (settings.mode, settings.strategy) == ("fp32", "megatron")
+    assert requested_mode(_Whole().trainer) == "fp32"
+    with pytest.raises(Fp32LmHeadConfigError, match=r"trainer.fp32_lm_head = 'fp32-out' is not valid"):
+        _check(_cfg({"fp32_lm_head": "fp32-out"}))
+
+
+@pytest.mark.parametrize(
+    ("trainer", "engine", "said"),
+    [
+        ({"strategy": "jax"}, {}, "trainer.strategy='jax'"),
+        ({"bf16": False}, {}, "trainer.bf16=false"),
+        ({"policy": {"fsdp_config": {"mixed_precision": {"param_dtype": "fp32"}}}}, {}, "param_dtype='fp32'"),
+        ({"policy": {"model": {"lora": {"rank": 8, "target_modules": ["q_proj", "lm_head"]}}}}, {}, "LoRA adapter"),
+        ({"strategy": "megatron", "fused_lm_head_logprob": True}, {}, "fused_lm_head_logprob=false"),
+        ({}, {"model_dtype": "float16"}, "model_dtype is 'float16'"),
+        ({}, {"external_proxy_url": "http://proxy:8080"}, "a proxy hides them"),
+        ({}, {"engine_init_kwargs": {"hf_overrides": {"head_dtype": "bfloat16"}}}, "the two disagree"),
+        ({}, {"enable_pd": True, "prefill_init_kwargs": {"hf_overrides": {"rope_parameters": {}}}},
+         "prefill_init_kwargs.hf_overrides replaces"),
+    ],
+)  # fmt: skip
+def test_refusals_name_what_and_where(trainer, engine, said):
+    with pytest.raises(Fp32LmHeadConfigError) as caught:
+        _check(_cfg(trainer, engine))
+    assert said in str(caught.value)
+
+
+def test_the_switch_alone_and_against_the_key():
+    with pytest.raises(Fp32LmHeadConfigError, match="one side|vLLM would compute fp32 logits"):
+        _check(_cfg({"fp32_lm_head": False}), environ={"FP32PATCH_VLLM_LM_HEAD": "1"})
+    with pytest.raises(Fp32LmHeadConfigError, match="the two disagree"):
+        _check(_cfg(), environ={"NRL_VLLM_FP32_LM_HEAD": "0"})
+    with pytest.raises(Fp32LmHeadConfigError, match="but trainer.fp32_lm_head is off"):
+        _check(_cfg({"fp32_lm_head": False}, {"engine_init_kwargs": {"hf_overrides": {"head_dtype": "float32"}}}))
+
+
+def test_vllm_before_head_dtype_is_refused_and_none_defers_to_the_probe():
+    with pytest.raises(Fp32LmHeadConfigError, match=r"vLLM here is 0.23.0.*from 0.26"):
+        _check(_cfg(), vllm=(0, 23, 0))
+    assert _check(_cfg(), vllm=None).mode == "fp32out"
+
+
+def test_batch_invariance_is_explained_not_refused():
+    monkeypatch_env = {"VLLM_BATCH_INVARIANT": "1"}
+    settings = _check(_cfg(), environ=monkeypatch_env)
+    assert any("different kernels" in note and "bitwise" in note for note in settings.notes)
+    assert not _check(_cfg()).notes
+
+
+def test_a_probe_holds_every_server_to_the_key():
+    good = {"dtype": "float32", "way": "native", "host": "h", "pid": 1}
+    bad = {"dtype": "bfloat16", "way": "stock", "host": "h", "pid": 2, "reason": "head_dtype not set"}
+    flat = check_servers({"http://a:8000": [good], "http://b:8000": [good, good]}, "fp32out", where="t")
+    assert [len(f) for f in flat] == [1, 2]
+    with pytest.raises(Fp32LmHeadMismatchError) as caught:
+        check_servers({"http://a:8000": [good], "http://b:8000": [bad]}, "fp32out", where="t")
+    text = str(caught.value)
+    assert "vLLM server http://b:8000, worker 0 (host h, pid 2) computes bfloat16 logits" in text
+    assert "http://a:8000" not in text
+
+
+def test_the_megatron_wrapper_refuses_the_fused_bf16_path_and_off_leaves_it():
+    from types import SimpleNamespace
+
+    from fp32patch.runtime.skyrl import wire_megatron
+
+    fused = SimpleNamespace(cfg=SimpleNamespace(fp32_lm_head="fp32out"), _fused_lm_head=True, actor_module=[])
+    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(Megatron model\).*fused_lm_head_logprob=true"):
+        wire_megatron(fused)
+    off = SimpleNamespace(cfg=SimpleNamespace(fp32_lm_head=False), _fused_lm_head=True, actor_module=object())
+    assert wire_megatron(off) is off
