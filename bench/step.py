@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fused_logprobs import NemoRlBf16, TrlBf16Tiles, VerlTorchBf16  # noqa: E402
 from bench.lm_head import env_set  # noqa: E402
 from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles, chunked_logprobs  # noqa: E402
+from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
 from fp32patch.runtime.trl.fused import TILE as TRL_TILE  # noqa: E402
 
 DEVICE = "cuda"
@@ -240,18 +241,29 @@ def _hidden(model, ids):
     return model.model(ids, use_cache=False).last_hidden_state
 
 
-def _ours(tile=None, always_entropy=False):
+def _ours(tile=None, always_entropy=False, keep=None):
     def fn(model, ids, targets, entropy):
         rows, vocab = tile if tile is not None else (None, None)
         want = entropy or always_entropy
         out = chunked_logprobs(
             _hidden(model, ids), model.lm_head.weight, targets, mode=MODE, temperature=TEMPERATURE,
-            entropy=want, chunk_rows=rows, chunk_vocab=vocab,
+            entropy=want, chunk_rows=rows, chunk_vocab=vocab, keep_logits=keep,
         )  # fmt: skip
         logp, ent = out if want else (out, None)
         return logp, (ent if entropy else None)
 
     return fn
+
+
+def _unfused(model, ids, targets, entropy):
+    """The HF head's fp32out GEMM (fp32 logits, no copy), then the stock code from the fp32 logits on:
+    the path a trainer gets from the HF head patch alone, without the chunked log-probs."""
+    h = _hidden(model, ids)
+    z = lm_head_linear(h.reshape(-1, h.shape[-1]), model.lm_head.weight, None, MODE)
+    z.div_(TEMPERATURE)
+    logp = torch.log_softmax(z, dim=-1).gather(-1, targets.reshape(-1, 1))[:, 0]
+    ent = (torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)) if entropy else None
+    return logp[None], (ent[None] if entropy else None)
 
 
 def _verl(model, ids, targets, entropy):
@@ -286,6 +298,10 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     "stock": (_stock, True),
     "fp32patch": (_ours(), True),
     "fp32patch-trl": (_ours(TRL_TILE), False),
+    "fp32out-unfused": (_unfused, True),
+    # the default tile, the logits kept from the forward / computed again in the backward
+    "fp32patch-keep": (_ours(keep=True), True),
+    "fp32patch-recompute": (_ours(keep=False), True),
     # diagnostics: the forward's tiles written and folded (no fused GEMM + logsumexp kernel);
     # every per-tile step as torch operations (no Triton)
     "fp32patch-tiledfwd": (_with_env(_ours(), FP32PATCH_GEMM_LSE="0"), True),
@@ -481,8 +497,8 @@ def measure_head(args) -> dict:
             for entropy in args.entropy:
                 row = {"hidden": hdim, "vocab": vocab, "tokens": tokens, "entropy": entropy, "ways": {}}
                 row["chosen"] = choose_tiles(tokens, vocab, hdim)
-                for tile in [*HEAD_TILES, "stock"]:
-                    name = "stock" if tile == "stock" else "chosen" if tile is None else f"{tile[0]}x{tile[1]}"
+                for tile in [*HEAD_TILES, "keep", "recompute", "unfused", "stock"]:
+                    name = tile if isinstance(tile, str) else "chosen" if tile is None else f"{tile[0]}x{tile[1]}"
                     row["ways"][name] = _head_way(x, w, targets, adv, entropy, tile, args)
                     _clean()
                 results["cells"].append(row)
@@ -511,11 +527,19 @@ def _head_way(x, w, targets, adv, entropy, tile, args) -> dict:
             z.div_(TEMPERATURE)
             logp = torch.log_softmax(z, dim=-1).gather(-1, targets[:, None])[:, 0]
             ent = (torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)) if entropy else None
+        elif tile == "unfused":
+            z = lm_head_linear(x, w, None, MODE)
+            z.div_(TEMPERATURE)
+            logp = torch.log_softmax(z, dim=-1).gather(-1, targets[:, None])[:, 0]
+            ent = (torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)) if entropy else None
         else:
-            rows, vocab = (None, None) if tile is None else (tile[0] or 1 << 30, tile[1] or 1 << 30)
+            keep = {"keep": True, "recompute": False}.get(tile) if isinstance(tile, str) else None
+            asked = None if keep is not None else tile
+            rows, vocab = (None, None) if asked is None else (asked[0] or 1 << 30, asked[1] or 1 << 30)
             out = chunked_logprobs(
-                x, w, targets, mode=MODE, temperature=TEMPERATURE, entropy=entropy, chunk_rows=rows, chunk_vocab=vocab
-            )
+                x, w, targets, mode=MODE, temperature=TEMPERATURE, entropy=entropy, chunk_rows=rows,
+                chunk_vocab=vocab, keep_logits=keep,
+            )  # fmt: skip
             logp, ent = out if entropy else (out, None)
         loss = -(adv * logp).mean() - (ENTROPY_COEF * ent.mean() if ent is not None else 0.0)
         loss.backward()
@@ -554,7 +578,7 @@ def rule_from_head(results: dict) -> dict[tuple[int, int], tuple[int, int]]:
         stock = ways.get("stock", [])
         best = None
         for name, runs in ways.items():
-            if name in ("stock", "chosen") or any(r.get("oom") for r in runs):
+            if name in ("stock", "chosen", "unfused", "keep", "recompute") or any(r.get("oom") for r in runs):
                 continue
             fits = all(s.get("oom") or r["peak_gib"] <= s["peak_gib"] for r, s in zip(runs, stock, strict=True))
             worst = max(r["ms"] for r in runs)

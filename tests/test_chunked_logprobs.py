@@ -351,6 +351,7 @@ CASES = {  # name -> keyword arguments of the call (TP cases add tp_group)
     "fp32out": dict(chunk_rows=16, chunk_vocab=96),
     "fp32out-entropy-t0.7": dict(chunk_rows=16, chunk_vocab=96, entropy=True, temperature=0.7),
     "fp32": dict(mode="fp32", chunk_rows=40, chunk_vocab=1000),
+    "fp32out-kept-entropy": dict(keep_logits=True, chunk_rows=16, chunk_vocab=96, entropy=True, temperature=0.7),
 }
 
 
@@ -397,7 +398,8 @@ def test_tp2_over_gloo_equals_tp1():
             for part in got:  # every rank has every token's log-prob (and entropy)
                 assert (part["lp"] - one["lp"]).abs().max() < 4e-6, variant
                 if one["ent"] is not None:
-                    assert (part["ent"] - one["ent"]).abs().max() < 4e-6, variant
+                    # entropies of ~7 nats: a few fp32 ulps apart (the order of the sums)
+                    assert (part["ent"] - one["ent"]).abs().max() < 1e-5, variant
             # each rank's weight gradient is its rows of TP=1's
             dw = torch.cat([part["dw"] for part in got])
             assert relative(dw, one["dw"]) < 1e-5, variant
@@ -489,3 +491,90 @@ def test_bad_softcap_and_per_token_temperatures_are_refused(kwargs, error, says)
     x, w, targets, _, _ = problem()
     with pytest.raises(error, match=says):
         chunked_logprobs(x, w, targets, **kwargs)
+
+
+# ---------------------------------------------------------------- kept logits (short sequences)
+
+
+def _all_of(fn, x, w, targets, g, ge, **kw):
+    """log-probs, entropy, input and weight gradients (main_grad) of one call and its backward."""
+    xl, wl = leaves(x, w, main_grad=True)
+    lp, ent = fn(xl, wl, targets, entropy=True, fuse_wgrad=True, **kw)
+    ((lp * g).sum() + (ent * ge).sum()).backward()
+    return lp.detach(), ent.detach(), xl.grad, wl.main_grad
+
+
+@pytest.mark.parametrize("mode", MEGATRON_MODES)
+@pytest.mark.parametrize(("temperature", "softcap"), [(0.7, None), ("per-token", 5.0)])
+def test_kept_logits_give_what_recomputing_gives(mode, temperature, softcap):
+    # the same formulas from the same fp32 logits: only the order of fp32 sums may differ
+    x, w, targets, g, ge = problem(21)
+    temperature = per_token_temperatures() if temperature == "per-token" else temperature
+    kw = dict(mode=mode, temperature=temperature, softcap=softcap, chunk_rows=16, chunk_vocab=96)
+    kept = _all_of(chunked_logprobs, x, w, targets, g, ge, keep_logits=True, **kw)
+    again = _all_of(chunked_logprobs, x, w, targets, g, ge, keep_logits=False, **kw)
+    # (the entropy, log Z - sum(p z), cancels: a few fp32 ulps of log Z)
+    assert (kept[0] - again[0]).abs().max() < 4e-6 and (kept[1] - again[1]).abs().max() < 1e-5
+    # the weight gradient: 16-bit copies of gradients a few ulps apart may round apart (fp32out's
+    # fp16 copy: 2**-11), far under each mode's own error against float64
+    assert relative(kept[3], again[3]) < 1e-5
+    assert relative(kept[2], again[2]) < 2.0**-8
+    lp64, ent64 = float64_capped(x, w, targets, temperature, softcap)
+    assert (kept[0].double() - lp64).abs().max() < 1e-5 and (kept[1].double() - ent64).abs().max() < 1e-5
+
+
+def test_kept_logits_are_not_overwritten_by_the_backward():
+    # a graph kept for a second backward reads the same logits again: the same gradients twice
+    x, w, targets, g, _ = problem(22)
+    xl, wl = leaves(x, w)
+    lp = chunked_logprobs(xl, wl, targets, mode="fp32", keep_logits=True, chunk_rows=16, chunk_vocab=96)
+    (lp * g).sum().backward(retain_graph=True)
+    first = (xl.grad.clone(), wl.grad.clone())
+    xl.grad = wl.grad = None
+    (lp * g).sum().backward()
+    assert torch.equal(xl.grad, first[0]) and torch.equal(wl.grad, first[1])
+
+
+def test_kept_logits_are_freed_once_the_backward_has_run():
+    x, w, targets, g, _ = problem(23)
+    xl, wl = leaves(x, w)
+    lp = chunked_logprobs(xl, wl, targets, keep_logits=True)
+    saved = lp.grad_fn.saved_tensors
+    assert saved[3].shape == (T, V) and saved[3].dtype == torch.float32
+    del saved
+    (lp * g).sum().backward()
+    with pytest.raises(RuntimeError, match="freed|second time"):
+        lp.grad_fn.saved_tensors  # noqa: B018
+    recompute = chunked_logprobs(xl, wl, targets, keep_logits=False)
+    assert recompute.grad_fn.saved_tensors[3] is None
+
+
+def test_which_calls_keep_their_logits(monkeypatch):
+    from fp32patch.runtime.kernels import chunked_logprobs as module
+
+    def plan(t=T, v=V, **kw):
+        x = torch.zeros(t, 8).bfloat16()
+        w = torch.zeros(v, 8).bfloat16()
+        args = dict(chunk_rows=None, chunk_vocab=None, softcap=None)
+        args.update(kw)
+        return module._plan(
+            x, w, torch.zeros(t, dtype=torch.long), "fp32out", 1.0, False, None, None, False, False, **args
+        )
+
+    monkeypatch.delenv(module.KEEP_LOGITS_ENV_VAR, raising=False)
+    assert plan().keep  # a short call keeps
+    assert not plan(chunk_rows=16).keep and not plan(chunk_vocab=64).keep  # a tile asked for: recompute
+    assert plan(chunk_rows=16, keep_logits=True).keep and not plan(keep_logits=False).keep
+    limit = module.KEEP_LOGITS_BYTES
+    assert module.keeps_logits(limit // (4 * 151936), 151936)
+    assert not module.keeps_logits(limit // (4 * 151936) + 1, 151936)
+    monkeypatch.setenv(module.KEEP_LOGITS_ENV_VAR, "0")
+    assert not plan().keep
+    monkeypatch.setenv(module.KEEP_LOGITS_ENV_VAR, str(T * V * 4))
+    assert plan().keep and not plan(t=T + 1).keep
+    monkeypatch.setenv(module.KEEP_LOGITS_ENV_VAR, "4GiB")
+    with pytest.raises(ValueError, match="FP32PATCH_KEEP_LOGITS_BYTES must be a whole number of bytes, not '4GiB'"):
+        plan()
+    monkeypatch.delenv(module.KEEP_LOGITS_ENV_VAR)
+    with pytest.raises(TypeError, match="keep_logits must be None, True or False, not 1"):
+        plan(keep_logits=1)

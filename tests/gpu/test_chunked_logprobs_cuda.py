@@ -135,3 +135,39 @@ def test_backward_is_lm_head_gemms_in_each_mode(mode):
     assert _rel(dw, ref_dw) <= max(mode_err / 4, 2e-6)
     assert _rel(dx, dx64) <= _rel(ref_dx, dx64) * 1.05
     assert (dx == ref_dx).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("mode", ["fp32out", "fp32out-bf16grad", "fp32"])
+def test_kept_logits_on_cuda_give_what_recomputing_gives(mode, temperature):
+    # the Triton grad kernel reads the kept logits through a strided view of [T, V]
+    x, w, targets, grad = _problem(3)
+    got = []
+    for keep in (True, False):
+        xl = x.clone().requires_grad_()
+        wl = torch.nn.Parameter(w.clone())
+        lp, ent = chunked_logprobs(
+            xl, wl, targets, mode=mode, temperature=temperature, entropy=True, keep_logits=keep,
+            chunk_rows=384, chunk_vocab=5000,
+        )  # fmt: skip
+        ((lp * grad).sum() + 0.1 * ent.sum()).backward()
+        got.append((lp.detach(), ent.detach(), xl.grad, wl.grad))
+    (lp1, ent1, dx1, dw1), (lp2, ent2, dx2, dw2) = got
+    assert (lp1 - lp2).abs().max() < 2e-5 and (ent1 - ent2).abs().max() < 2e-5
+    assert _rel(dw1, dw2) < 2e-3 and _rel(dx1, dx2) < 2e-3  # bf16 deliveries of equal fp32 sums
+    lp64, ent64, _, _ = _float64(x, w, targets, grad, temperature)
+    assert (lp1.double() - lp64).abs().max() < 2e-4
+
+
+def test_kept_logits_hold_four_bytes_a_logit_until_the_backward():
+    x, w, targets, grad = _problem(4)
+    xl = x.clone().requires_grad_()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    lp = chunked_logprobs(xl, w, targets, keep_logits=True)
+    held = torch.cuda.memory_allocated() - base
+    assert T * V * 4 <= held < T * V * 4 * 1.05
+    (lp * grad).sum().backward()
+    del lp
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - base < T * V * 0.5  # freed; x's gradient stays

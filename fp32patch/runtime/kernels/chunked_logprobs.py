@@ -29,6 +29,14 @@ divides each token's logits by its own; a soft-cap (``softcap``: Gemma's
 ``1 - tanh**2`` joins the backward in fp32. Either one runs the per-tile torch steps on every
 device (the Triton kernels take one scalar temperature and no cap).
 
+Short sequences keep the logits (``keep_logits``): where the fp32 logits of a call are small
+(``KEEP_LOGITS_BYTES``, at most 4 bytes per logit of this rank's shard), the forward computes
+them in one fp32-output GEMM, folds them, and saves them for the backward, which then reads each
+tile out of them instead of computing it again: three GEMMs in all, as the stock head does,
+instead of four, and no fused-kernel fixed cost, for 4 bytes per logit held from the forward to
+the head's backward (the stock head holds 10). Long sequences recompute, and never hold the
+[T, V] logits.
+
 The tiles go vocabulary block by vocabulary block, tokens inside: then only one block's
 weight gradient is in flight, and a block whose ``chunk_rows`` covers every token gets its
 weight gradient from one GEMM, exactly as the unfused head's backward computes those rows.
@@ -80,6 +88,11 @@ GEMM_LSE_ENV_VAR = "FP32PATCH_GEMM_LSE"
 # vocabulary entries per tile.
 DEFAULT_CHUNK_ROWS = 8192
 DEFAULT_CHUNK_VOCAB = 16384
+# A call whose fp32 logits (tokens x this rank's vocabulary x 4 bytes) take at most this many bytes
+# keeps them from the forward for the backward (see top); more, and the backward computes its tiles
+# again. Overridden by FP32PATCH_KEEP_LOGITS_BYTES (0: never keep), or per call by keep_logits.
+KEEP_LOGITS_BYTES = 4 << 30
+KEEP_LOGITS_ENV_VAR = "FP32PATCH_KEEP_LOGITS_BYTES"
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class _Plan:
     chunk_rows: int
     chunk_vocab: int
     softcap: float | None = None
+    keep: bool = False  # the forward's fp32 logits are saved for the backward
 
 
 def chunked_logprobs(
@@ -113,6 +127,7 @@ def chunked_logprobs(
     fuse_wgrad: bool = False,
     chunk_rows: int | None = None,
     chunk_vocab: int | None = None,
+    keep_logits: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature)[target] per token, in fp32, differentiable.
 
@@ -135,7 +150,9 @@ def chunked_logprobs(
     shard rows, Megatron's even split). ``fuse_wgrad``: add the weight gradient into
     ``weight.main_grad`` (Megatron's gradient-accumulation fusion) when the weight has one.
     ``chunk_rows`` x ``chunk_vocab``: the tile (defaults: ``choose_tiles``' choice for the
-    shape).
+    shape). ``keep_logits``: save the forward's fp32 logits for the backward instead of computing
+    them again (None: ``keeps_logits``' choice for the shape, never when a tile is given; True
+    holds 4 bytes per logit of this rank's shard until the head's backward has run).
 
     A ``hidden`` of another dtype than the weight (fp32 hidden states from FSDP2's
     ``output_dtype``) is cast to the weight's dtype inside the graph, as the fp32 head does.
@@ -146,7 +163,7 @@ def chunked_logprobs(
         temperature = 1.0
     plan = _plan(
         hidden, weight, targets, mode, temperature, entropy, tp_group, vocab_start, sequence_parallel,
-        fuse_wgrad, chunk_rows, chunk_vocab, softcap,
+        fuse_wgrad, chunk_rows, chunk_vocab, softcap, keep_logits,
     )  # fmt: skip
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
@@ -181,7 +198,7 @@ def _row_temperatures(temperature: torch.Tensor, targets: torch.Tensor) -> torch
 
 def _plan(
     hidden, weight, targets, mode, temperature, entropy, group, vocab_start, sequence_parallel, fuse_wgrad,
-    chunk_rows, chunk_vocab, softcap=None,
+    chunk_rows, chunk_vocab, softcap=None, keep_logits=None,
 ) -> _Plan:  # fmt: skip
     """Check the call's arguments (a clear error naming the argument, before any work)."""
     import torch
@@ -234,10 +251,31 @@ def _plan(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"chunked_logprobs: {name} must be an int >= 1, not {value!r}")
         tiles.append(value)
+    if keep_logits is None:
+        asked = chunk_rows is not None or chunk_vocab is not None
+        keep = not asked and keeps_logits(math.prod(targets.shape), weight.shape[0])
+    elif isinstance(keep_logits, bool):
+        keep = keep_logits
+    else:
+        raise TypeError(f"chunked_logprobs: keep_logits must be None, True or False, not {keep_logits!r}")
     return _Plan(
         mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles,
-        None if softcap is None else float(softcap),
+        None if softcap is None else float(softcap), keep,
     )  # fmt: skip
+
+
+def keeps_logits(tokens: int, vocab: int) -> bool:
+    """Whether a call over ``tokens`` rows of a ``vocab``-entry head (this rank's shard) keeps its
+    fp32 logits for the backward by default: when they take at most ``KEEP_LOGITS_BYTES``
+    (``FP32PATCH_KEEP_LOGITS_BYTES`` where set; 0 never keeps)."""
+    raw = os.environ.get(KEEP_LOGITS_ENV_VAR)
+    limit = KEEP_LOGITS_BYTES
+    if raw is not None and raw.strip():
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise ValueError(f"{KEEP_LOGITS_ENV_VAR} must be a whole number of bytes, not {raw!r}") from None
+    return 0 < tokens * vocab * 4 <= limit
 
 
 def choose_tiles(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
@@ -547,8 +585,20 @@ class _TritonKernels:
 def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan, temps=None):
     """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]
     (``temps``: per-token temperatures [T], or None for the plan's)."""
+    return _forward(x, weight, targets, plan, temps)[:3]
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan, temps=None):
+    """``_forward_stats``' three, and the fp32 logits [T, V] when the plan keeps them (else None)."""
     stats = RowStats(x.shape[0], x.device, plan.entropy)
     local = targets - plan.vocab_start
+    if plan.keep:
+        with _precision(plan.mode, x.device):
+            logits = _fwd_mm(plan.mode, x, weight)
+        for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
+            temperature = plan.temperature if temps is None else temps[r0:r1]
+            fold_tile(logits[r0:r1], local[r0:r1], 0, temperature, stats.rows(r0, r1), plan.softcap)
+        return (*_merge_ranks(stats, plan), logits)
     fused = _gemm_lse(plan, x, weight) if temps is None and plan.softcap is None else None
     if fused is not None:
         for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
@@ -556,7 +606,7 @@ def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
             stats.m[r0:r1], stats.s[r0:r1], stats.target[r0:r1] = m, s, tz
             if zs is not None:
                 stats.zs[r0:r1] = zs
-        return _merge_ranks(stats, plan)
+        return (*_merge_ranks(stats, plan), None)
     with _precision(plan.mode, x.device):
         for v0, v1 in _spans(weight.shape[0], plan.chunk_vocab):
             block = weight[v0:v1]
@@ -565,7 +615,7 @@ def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 temperature = plan.temperature if temps is None else temps[r0:r1]
                 fold_tile(tile, local[r0:r1], v0, temperature, stats.rows(r0, r1), plan.softcap)
                 del tile
-    return _merge_ranks(stats, plan)
+    return (*_merge_ranks(stats, plan), None)
 
 
 def _gemm_lse(plan: _Plan, x: torch.Tensor, weight: torch.Tensor) -> Any:
@@ -605,8 +655,11 @@ def _merge_ranks(stats: RowStats, plan: _Plan):
     return log_z, stats.target, ent
 
 
-def _backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_logp, grad_entropy):
-    """The input gradient (fp32, [T, H], this rank's vocabulary part) and the weight gradient."""
+def _backward(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_logp, grad_entropy, logits=None
+):
+    """The input gradient (fp32, [T, H], this rank's vocabulary part) and the weight gradient;
+    ``logits``: the forward's fp32 logits when it kept them (the tiles are read, not recomputed)."""
     import torch
 
     plan: _Plan = ctx.plan
@@ -633,7 +686,8 @@ def _backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                     None if grad_entropy is None else grad_entropy[rows],
                 )  # fmt: skip
                 dx_rows = None if dx is None else dx[rows]
-                acc = _tile_backward(plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype)
+                kept = None if logits is None else logits[rows, v0:v1]
+                acc = _tile_backward(plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype, kept)
             if dw is not None:
                 dw[v0:v1].copy_(acc)
             del acc
@@ -658,7 +712,7 @@ class _RowGrads:
 _FUSED_MODES = ("fp32out", "fp32out-bf16grad")
 
 
-def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bool, acc, dw_dtype):
+def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bool, acc, dw_dtype, kept=None):
     """One tile's share of the gradients, in the plan's mode: its logits computed again and
     turned into the gradient with respect to them, then ``lm_head_gemm``'s backward GEMMs. The
     input gradient is added into the fp32 ``dx_rows`` (None: not wanted). Returns the weight
@@ -671,15 +725,20 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bo
     a second writes the copies the GEMMs take (fp32out: fp16 times the scale for the weight
     gradient, bf16 for the input gradient; fp32out-bf16grad: bf16 for both), as
     ``fp32out.fp16_scaled_grads`` makes them from a stored gradient, and the products are
-    accumulated in fp32 in the GEMM (``addmm``) or by fp32out's unscale kernel."""
+    accumulated in fp32 in the GEMM (``addmm``) or by fp32out's unscale kernel.
+
+    ``kept``: the tile's logits as the forward kept them (a view of its fp32 logits), read and
+    never written (a graph kept for a second backward sees them whole); None: computed here."""
     import torch
 
     from fp32patch.runtime.kernels import fp32out
 
-    tile = _fwd_mm(plan.mode, xr, block)
+    tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
     kernels = _triton(tile) if _scalar_steps(rows.temperature, plan.softcap) else None
     if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
+        if kept is not None:  # the torch steps write the gradient over the tile
+            tile = tile.clone()
         grad_tile(tile, *args, softcap=plan.softcap)
         if want_dw and acc is None and dw_dtype == torch.float32:
             acc = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
@@ -769,7 +828,7 @@ def _make_function() -> type:
             full = _gather_tokens(hidden, plan) if plan.sequence_parallel else hidden
             x = full.reshape(-1, full.shape[-1])
             flat_targets = targets.reshape(-1).long()
-            log_z, target_logit, ent = _forward_stats(x, weight, flat_targets, plan, temps)
+            log_z, target_logit, ent, logits = _forward(x, weight, flat_targets, plan, temps)
             # fresh tensors, no views made in here: a caller may scale them in place
             log_probs = target_logit.view(targets.shape) - log_z.view(targets.shape)
             ctx.plan = plan
@@ -778,12 +837,13 @@ def _make_function() -> type:
             ctx.ent = ent
             ctx.main_grad = weight.main_grad if plan.fuse_wgrad and hasattr(weight, "main_grad") else None
             ctx.hidden_shape = hidden.shape
-            ctx.save_for_backward(hidden, weight, flat_targets)
+            # the kept logits are saved as the inputs are: autograd frees them once this backward has run
+            ctx.save_for_backward(hidden, weight, flat_targets, logits)
             return log_probs, None if ent is None else ent.view(targets.shape).clone()
 
         @staticmethod
         def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-            hidden, weight, targets = ctx.saved_tensors
+            hidden, weight, targets, logits = ctx.saved_tensors
             plan: _Plan = ctx.plan
             if grad_logp is None and grad_entropy is None:
                 return None, None, None, None, None
@@ -791,7 +851,7 @@ def _make_function() -> type:
             x = full.reshape(-1, full.shape[-1])
             grad_logp = None if grad_logp is None else grad_logp.reshape(-1).float().contiguous()
             grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
-            dx, dw = _backward(ctx, x, weight, targets, grad_logp, grad_entropy)
+            dx, dw = _backward(ctx, x, weight, targets, grad_logp, grad_entropy, logits)
             if dx is not None:
                 dx = _sum_input_grad(dx, plan).to(hidden.dtype).view(ctx.hidden_shape)
             if ctx.needs_input_grad[1]:
