@@ -98,8 +98,18 @@ def test_a_probe_holds_every_server_to_the_key():
     with pytest.raises(Fp32LmHeadMismatchError) as caught:
         check_servers({"http://a:8000": [good], "http://b:8000": [bad]}, "fp32out", where="t")
     text = str(caught.value)
-    assert "vLLM server http://b:8000, worker 0 (host h, pid 2) computes bfloat16 logits" in text
+    assert "vLLM server http://b:8000: vLLM worker 0 (host h, pid 2) computes bfloat16 logits" in text
     assert "http://a:8000" not in text
+    assert "fell back to the model's dtype" in text and "see the server's log" in text
+    # the key off: a server still computing float32 is named, and the line says the key is off once
+    stock = {"dtype": "bfloat16", "way": "stock", "host": "h", "pid": 3}
+    with pytest.raises(Fp32LmHeadMismatchError) as caught:
+        check_servers({"http://a:8000": [stock], "http://c:8000": [good]}, None, where="t")
+    (line,) = [ln for ln in str(caught.value).splitlines() if ln.startswith("  ")]
+    assert line == (
+        "  vLLM server http://c:8000: vLLM worker 0 (host h, pid 1) computes float32 logits while "
+        "trainer.fp32_lm_head is off; the way is native: -"
+    )
 
 
 def test_the_megatron_wrapper_refuses_the_fused_bf16_path_and_off_leaves_it():

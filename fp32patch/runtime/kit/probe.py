@@ -85,6 +85,62 @@ def refuse(bad: list[tuple[int, Any, str]], *, header: str, footer: str) -> None
     raise Fp32LmHeadMismatchError("\n".join(lines), bad)
 
 
+def fell_back(index: int, report: Mapping[str, Any], asking: str, log: str) -> str:
+    """Why worker ``index``, asked for vLLM's own ``head_dtype`` float32, computes other logits;
+    ``log`` names the process whose log says more ("engine", "server")."""
+    worker = f"vLLM worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
+    return (
+        f"{worker} computes {report.get('dtype')} logits while {asking} asked vLLM for head_dtype float32 "
+        "(hf_overrides): vLLM fell back to the model's dtype (a platform without fp32 support, or a quantized "
+        f"head: see the {log}'s log); the way is {report.get('way')}: {report.get('reason') or '-'}"
+    )
+
+
+def hold_units(
+    units: list[tuple[str, str, Any]],
+    mode: str | None,
+    why: Callable[[str, int, Mapping[str, Any]], str],
+    *,
+    where: str,
+    asking: str,
+    unit: str,
+    logger: logging.Logger,
+) -> list[list[Any]]:
+    """The whole check of a stack with several vLLM engines or servers (``unit``: "engine",
+    "server"): ``units`` holds each one's ``(label, part, reports)``, its label leading its lines
+    ("vLLM engine 0"), ``part`` added to ``where`` in an error about it ("engine 0"). Every worker
+    float32 where the key is on (``mode``), none where it is off; else ``refuse`` with one line per
+    disagreeing worker (``why(label, index, report)``), naming its unit. Logs one line when all
+    agree; returns each unit's flat reports."""
+    bad_all, flat_all = [], []
+    for label, part, reports in units:
+
+        def reason_of(index: int, report: Mapping[str, Any], label: str = label) -> str:
+            return why(label, index, report)
+
+        flat, bad = disagreeing_reports(reports, mode is not None, reason_of, where=f"{where}, {part}")
+        bad_all += [(i, r, reason if reason.startswith(label) else f"{label}: {reason}") for i, r, reason in bad]
+        flat_all.append(flat)
+    if bad_all:
+        refuse(
+            bad_all,
+            header=f"fp32patch ({where}): the rollout's logits do not follow {asking}:",
+            footer=f"The trainer and the rollout would compute different logits. Fix the {unit}(s) above.",
+        )
+    ways = ", ".join(sorted({str(r.get("way")) for flat in flat_all for r in flat}))
+    logger.info(
+        "fp32patch (%s): %d vLLM %s(s), %d worker(s), compute %s logits (way: %s), as %s",
+        where,
+        len(flat_all),
+        unit,
+        sum(len(flat) for flat in flat_all),
+        "float32" if mode is not None else "stock",
+        ways,
+        asking,
+    )
+    return flat_all
+
+
 def hold_reports(
     reports: Any,
     mode: str | None,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp32patch.runtime.kit import rollout
-from fp32patch.runtime.kit.probe import PROBE_RPC, disagreeing_reports, disagreement, refuse
+from fp32patch.runtime.kit.probe import PROBE_RPC, disagreement, fell_back, hold_units
 from fp32patch.runtime.modes import VLLM_SWITCH
 from fp32patch.runtime.openrlhf.config import KEY, STACK
 from fp32patch.runtime.openrlhf.wiring import rollout_mode
@@ -50,47 +50,14 @@ def check_engines(answers: Any, mode: str | None, *, where: str, route: str = "v
     refuse with one line per disagreeing worker, naming its engine. ``route``: how the engines were
     asked (``kit.rollout.vllm_route``), for the reason a worker gives. Logs one line when all agree."""
     asking = f"{KEY}={mode!r}" if mode is not None else f"{KEY} is off"
-    bad_all, flat_all = [], []
-    for engine, reports in enumerate(answers):
 
-        def why(index: int, report: Mapping[str, Any], engine: int = engine) -> str:
-            if mode is not None and route == "head_dtype":
-                return f"vLLM engine {engine}: {_fell_back(index, report, asking)}"
-            line = disagreement(
-                index, report, expect_fp32=mode is not None, asking=asking, switch=VLLM_SWITCH, key=KEY, hint=WHERE_SET
-            )
-            return f"vLLM engine {engine}: {line}"
-
-        flat, bad = disagreeing_reports(reports, mode is not None, why, where=f"{where}, engine {engine}")
-        bad_all += [
-            (i, r, reason if reason.startswith("vLLM engine") else f"vLLM engine {engine}: {reason}")
-            for i, r, reason in bad
-        ]
-        flat_all.append(flat)
-    if bad_all:
-        refuse(
-            bad_all,
-            header=f"fp32patch ({where}): the rollout's logits do not follow {asking}:",
-            footer="The trainer and the rollout would compute different logits. Fix the engine(s) above.",
+    def why(label: str, index: int, report: Mapping[str, Any]) -> str:
+        if mode is not None and route == "head_dtype":
+            return f"{label}: {fell_back(index, report, asking, 'engine')}"
+        line = disagreement(
+            index, report, expect_fp32=mode is not None, asking=asking, switch=VLLM_SWITCH, key=KEY, hint=WHERE_SET
         )
-    ways = ", ".join(sorted({str(r.get("way")) for flat in flat_all for r in flat}))
-    STACK.logger.info(
-        "fp32patch (%s): %d vLLM engine(s), %d worker(s), compute %s logits (way: %s), as %s",
-        where,
-        len(flat_all),
-        sum(len(flat) for flat in flat_all),
-        "float32" if mode is not None else "stock",
-        ways,
-        asking,
-    )
-    return flat_all
+        return f"{label}: {line}"
 
-
-def _fell_back(index: int, report: Mapping[str, Any], asking: str) -> str:
-    """Why a worker asked for vLLM's own ``head_dtype`` float32 computes other logits."""
-    worker = f"vLLM worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
-    return (
-        f"{worker} computes {report.get('dtype')} logits while {asking} asked vLLM for head_dtype float32 "
-        "(hf_overrides): vLLM fell back to the model's dtype (a platform without fp32 support, or a quantized "
-        f"head: see the engine's log); the way is {report.get('way')}: {report.get('reason') or '-'}"
-    )
+    units = [(f"vLLM engine {engine}", f"engine {engine}", reports) for engine, reports in enumerate(answers)]
+    return hold_units(units, mode, why, where=where, asking=asking, unit="engine", logger=STACK.logger)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fp32patch.runtime.kit.probe import disagreeing_reports, refuse, server_reports
+from fp32patch.runtime.kit.probe import fell_back, hold_units, server_reports
 from fp32patch.runtime.skyrl.config import KEY, STACK, check_config
 
 HOW_TO_START = (
@@ -53,43 +53,15 @@ def check_servers(answers: Mapping[str, Any], mode: str | None, *, where: str) -
     """Every server's workers float32 where the key is on (``mode``), none where it is off; else
     refuse with one line per disagreeing worker, naming its server. Logs one line when all agree."""
     asking = f"{KEY}={mode!r}" if mode is not None else f"{KEY} is off"
-    bad_all, flat_all = [], []
-    for url, reports in answers.items():
 
-        def why(index: int, report: Mapping[str, Any], url: str = url) -> str:
-            worker = f"vLLM server {url}, worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
-            asked = "asked vLLM for head_dtype float32 (hf_overrides)" if mode is not None else "is off"
-            fell = (
-                ": vLLM fell back to the model's dtype (a platform without fp32 support, or a quantized head: see "
-                "the server's log)"
-                if mode is not None
-                else ""
-            )
-            return (
-                f"{worker} computes {report.get('dtype')} logits while {asking} {asked}{fell}; the way is "
-                f"{report.get('way')}: {report.get('reason') or '-'}"
-            )
-
-        flat, bad = disagreeing_reports(reports, mode is not None, why, where=f"{where}, {url}")
-        bad_all += [
-            (i, r, reason if reason.startswith("vLLM server") else f"vLLM server {url}: {reason}")
-            for i, r, reason in bad
-        ]
-        flat_all.append(flat)
-    if bad_all:
-        refuse(
-            bad_all,
-            header=f"fp32patch ({where}): the rollout's logits do not follow {asking}:",
-            footer="The trainer and the rollout would compute different logits. Fix the server(s) above.",
+    def why(label: str, index: int, report: Mapping[str, Any]) -> str:
+        if mode is not None:
+            return f"{label}: {fell_back(index, report, asking, 'server')}"
+        worker = f"vLLM worker {index} (host {report.get('host', '?')}, pid {report.get('pid', '?')})"
+        return (
+            f"{label}: {worker} computes {report.get('dtype')} logits while {asking}; the way is "
+            f"{report.get('way')}: {report.get('reason') or '-'}"
         )
-    ways = ", ".join(sorted({str(r.get("way")) for flat in flat_all for r in flat}))
-    STACK.logger.info(
-        "fp32patch (%s): %d vLLM server(s), %d worker(s), compute %s logits (way: %s), as %s",
-        where,
-        len(flat_all),
-        sum(len(flat) for flat in flat_all),
-        "float32" if mode is not None else "stock",
-        ways,
-        asking,
-    )
-    return flat_all
+
+    units = [(f"vLLM server {url}", url, reports) for url, reports in answers.items()]
+    return hold_units(units, mode, why, where=where, asking=asking, unit="server", logger=STACK.logger)
