@@ -261,3 +261,20 @@ def test_sglang_and_slime(tmp_path, wheel, layout_name):
     for row in rows:
         if row["id"] in expected:
             assert Path(row["path"]).is_relative_to(expected[row["id"]]), row
+
+
+def test_areal_image(tmp_path, wheel):
+    # AReaL's image: AReaL 1.0.4 and the SGLang its sglang extra pins (0.5.10.post1) in one environment
+    (block,) = recipes.recipes("areal-image")
+    layout = env_layout(tmp_path, wheel)
+    env = layout.root / "env"
+    uv_install(env, str(wheel_file("sglang", "0.5.10.post1")), str(wheel_file("areal", "1.0.4")))
+    site = site_packages(env)
+    before = {name: tree_digest(site / name) for name in ("areal", "sglang")}
+    layout.dockerfile(block)
+    rows = verify(layout)
+    assert {"areal-fp32-lm-head", "sglang-fp32-lm-head"} <= applied(rows), rows
+    assert {row["version"] for row in rows if row["id"] == "areal-fp32-lm-head"} == {"1.0.4"}, rows
+    assert {name: tree_digest(site / name) for name in before} != before
+    layout.run("fp32patch revert")
+    assert {name: tree_digest(site / name) for name in before} == before

@@ -153,4 +153,5 @@ LAYOUTS = {
     "openrlhf-image": "tests/recipes/test_image_recipes.py",
     "sglang-image": "tests/recipes/test_image_recipes.py",
     "slime-image": "tests/recipes/test_image_recipes.py",
+    "areal-image": "tests/recipes/test_image_recipes.py",
 }
