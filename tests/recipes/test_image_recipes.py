@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tree_digest
+from tests.fixtures import prime_rl_shapes
 from tests.fixtures.nemo_rl_shapes import NEWEST, checkout
 from tests.recipes.conftest import REPO, Layout, clean_env, sh, site_packages, uv_binary, venv
 from tests.support import recipes
@@ -278,3 +279,59 @@ def test_areal_image(tmp_path, wheel):
     assert {name: tree_digest(site / name) for name in before} != before
     layout.run("fp32patch revert")
     assert {name: tree_digest(site / name) for name in before} == before
+
+
+def test_skyrl_image(tmp_path, wheel):
+    # SkyRL's image: SkyRL 0.4.0 and the vLLM it pins (0.30.0) in one environment. SkyRL asks
+    # Python >= 3.12; its files are installed here with --ignore-requires-python (the recipe's
+    # commands never import it)
+    (block,) = recipes.recipes("skyrl-image")
+    layout = env_layout(tmp_path, wheel)
+    env = layout.root / "env"
+    uv_install(env, str(wheel_file("vllm", "0.30.0")))
+    pip(env, "--no-deps", "--ignore-requires-python", str(wheel_file("skyrl", "0.4.0")))
+    layout.dockerfile(block)
+    rows = verify(layout)
+    assert {"skyrl-fp32-lm-head", "vllm-fp32-logits", "nemotron-h-fp32-lm-head"} <= applied(rows), rows
+    assert {row["version"] for row in rows if row["id"] == "skyrl-fp32-lm-head"} == {"0.4.0"}, rows
+
+
+def prime_rl_layout(tmp_path: Path, wheel: Path) -> Layout:
+    """Prime-RL's image (Dockerfile.cuda): the checkout at /app, its environment /app/.venv made by
+    uv, holding prime-rl and its workspace member prime-rl-configs editable, and vLLM. The checkout
+    is fp32patch's stand-in (tests/fixtures/prime_rl_src: Prime-RL is not on PyPI). Prime-RL asks
+    Python 3.12; the editable installs are made with pip --ignore-requires-python (the recipe never
+    imports it), where the image's ``uv sync`` makes the same editable wheels."""
+    root = tmp_path / "root"
+    root.mkdir()
+    app = root / "app"
+    shutil.copytree(prime_rl_shapes.SRC, app, ignore=shutil.ignore_patterns("__pycache__"))
+    tools = tmp_path / "tools"  # the image's /usr/local/bin: uv
+    tools.mkdir()
+    (tools / "uv").symlink_to(uv_binary())
+    sh(f"uv venv -q --seed {app}/.venv", clean_env([tools]), root)
+    env = app / ".venv"
+    pip(env, "--no-deps", "--ignore-requires-python", "-e", str(app), "-e", str(app / "packages" / "prime-rl-configs"))
+    uv_install(env, str(wheel_file("vllm", "0.29.0")))
+    context = tmp_path / "context"
+    context.mkdir()
+    shutil.copy(wheel, context)
+    paths = {"/app": f"{root}/app", "/tmp/": f"{root}/tmp/"}
+    return Layout(root, context, paths, clean_env([tools]))
+
+
+def test_prime_rl_image(tmp_path, wheel):
+    (block,) = recipes.recipes("prime-rl-image")
+    layout = prime_rl_layout(tmp_path, wheel)
+    app = layout.root / "app"
+    before = tree_digest(app / "src")
+    layout.dockerfile(block)
+    cli = f"{app}/.venv/bin/fp32patch"
+    for where in (f"-s {app}", ""):  # without -s, the environment's editable installs lead to the checkout
+        report = json.loads(layout.run(f"{cli} verify {where} --patch prime-rl-fp32-lm-head --json").stdout)
+        assert report["ok"], report
+        (row,) = report["patches"]
+        assert row["status"] == "applied" and row["version"] == "0.8.0", row
+        assert Path(row["root"]).resolve() == app.resolve(), row
+    layout.run(f"{app}/.venv/bin/fp32patch revert -s {app}")
+    assert tree_digest(app / "src") == before

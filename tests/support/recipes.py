@@ -154,4 +154,6 @@ LAYOUTS = {
     "sglang-image": "tests/recipes/test_image_recipes.py",
     "slime-image": "tests/recipes/test_image_recipes.py",
     "areal-image": "tests/recipes/test_image_recipes.py",
+    "skyrl-image": "tests/recipes/test_image_recipes.py",
+    "prime-rl-image": "tests/recipes/test_image_recipes.py",
 }
