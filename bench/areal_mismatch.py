@@ -70,42 +70,12 @@ def _areal_logprobs():
     return module.gather_logprobs
 
 
-def _prompts(seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 490) for _ in range(rng.randrange(4, 12))] for _ in range(PROMPTS)]
-
-
 def rollout(model: Path, plugin: Path, fp32: bool, seeds: list[int]) -> dict[int, list]:
     """Each seed's samples from one engine: (prompt, tokens, the rollout's log-probs)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from bench.vllm_cpu_rollout import rollout as engine_rollout
 
-    from fp32patch.runtime.kit import rollout as kit_rollout
-    from tests.heavy.vllm_engine import harness
-
-    sys.path.append(str(plugin))
-    harness.force_plain_gemm()
-    overrides = kit_rollout.head_dtype_overrides(
-        None, key="actor.fsdp.enable_fp32_lm_head", mode="fp32out" if fp32 else None
-    )
-    llm = LLM(model=str(model), hf_overrides=overrides or None, **harness.ENGINE_ARGS)
-    out: dict[int, list] = {}
-    for seed in seeds:
-        samples = []
-        for i, prompt in enumerate(_prompts(seed)):
-            for k in range(SAMPLES):
-                params = SamplingParams(
-                    temperature=TEMPERATURE, max_tokens=NEW_TOKENS, logprobs=0, seed=1000 * seed + 10 * i + k
-                )
-                (result,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-                c = result.outputs[0]
-                lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
-                samples.append((prompt, list(c.token_ids), lps))
-        out[seed] = samples
-    del llm
-    return out
+    shape = dict(prompts=PROMPTS, samples=SAMPLES, new_tokens=NEW_TOKENS, temperature=TEMPERATURE)
+    return engine_rollout(model, plugin, fp32, seeds, key="actor.fsdp.enable_fp32_lm_head", **shape)
 
 
 def trainer_logprobs(model_dir: Path, head: str | None, samples: list, gather_logprobs) -> list[list[float]]:
