@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -58,13 +59,18 @@ def areal_files() -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def vocab_parallel(areal_files, tmp_path_factory):
     """AReaL 1.0.4's own log-prob module, imported from its wheel's file."""
+    return load_vocab_parallel(areal_files["vocab"], tmp_path_factory.mktemp("areal"))
+
+
+def load_vocab_parallel(source: bytes, folder: Path) -> ModuleType:
+    """AReaL's ``vocab_parallel.py`` from ``source`` (its wheel's bytes), written into ``folder``."""
     platforms = ModuleType("areal.infra.platforms")
     platforms.is_npu_available = False  # stand-in: AReaL's platform probe (CUDA, NPU, CPU)
     for name in ("areal", "areal.infra"):
         sys.modules.setdefault(name, ModuleType(name))
     sys.modules["areal.infra.platforms"] = platforms
-    path = tmp_path_factory.mktemp("areal") / "vocab_parallel.py"
-    path.write_bytes(areal_files["vocab"])
+    path = folder / "vocab_parallel.py"
+    path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("areal_vocab_parallel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -99,7 +105,7 @@ def batch() -> dict:
     return {"ids": ids, "positions": positions, "mask": mask[None, None], "advantages": advantages}
 
 
-def step(eng: SimpleNamespace, vocab_parallel, *, in_place: bool = False) -> dict:
+def step(eng: SimpleNamespace, vocab_parallel, *, in_place: bool = False, tp_group=None) -> dict:
     """One AReaL step: the model's logits, AReaL's labels and log-prob code, loss, backward."""
     model = eng.model[0]
     gpt = model.module
@@ -113,7 +119,7 @@ def step(eng: SimpleNamespace, vocab_parallel, *, in_place: bool = False) -> dic
     if in_place:
         logits.div_(TEMPERATURE)  # a trainer scaling the logits in place
         temperature = 1.0
-    logp, entropy = vocab_parallel.gather_logprobs_entropy(logits, labels, temperature=temperature)
+    logp, entropy = vocab_parallel.gather_logprobs_entropy(logits, labels, temperature=temperature, tp_group=tp_group)
     loss = -(data["advantages"] * logp).mean() - ENTROPY_COEF * entropy.mean()
     loss.backward()
     weight = gpt.output_layer.weight
@@ -197,3 +203,63 @@ def test_the_key_off_is_the_stock_step_bit_for_bit(tp1, areal_files, vocab_paral
     for name, grad in patched["grads"].items():
         assert torch.equal(grad, stock["grads"][name]), name
     assert b"_fp32patch_wire_megatron" not in areal_files["stock"]
+
+
+# ---------------------------------------------------------------- tensor parallel size 2
+
+
+def _tp2_worker(rank: int, world: int, init_method: str, out_dir: str, patched: bytes, vocab: bytes) -> None:
+    """One rank of a TP=2 AReaL step, key on and off: the vocabulary-parallel logits [s, V/2],
+    AReaL's own vocab-parallel log-probs over the tensor-parallel group; each rank's errors against
+    float64 of the step's hidden states and the whole output weight (gathered from both ranks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron_harness import close_parallel, init_parallel
+
+    torch.set_num_threads(1)
+    init_parallel(rank, world, init_method)
+    try:
+        module = load_vocab_parallel(vocab, Path(out_dir))
+        wire, _ = _gate(patched)
+        group = parallel_state.get_tensor_model_parallel_group()
+        results = {}
+        for on in (True, False):
+            eng = engine(on)
+            wire(eng)
+            record = step(eng, module, tp_group=group)
+            shards = [torch.empty_like(record["weight"]) for _ in range(world)]
+            dist.all_gather(shards, record["weight"].contiguous(), group=group)
+            whole = dict(record, weight=torch.cat(shards))
+            ref = reference(whole)
+            results[on] = {
+                "logits_dtype": record["logits_dtype"],
+                "mode": record["mode"],
+                "shard_rows": record["weight"].shape[0],
+                "log_probs": record["log_probs"],
+                "errors": {n: (record[n].double() - ref[n]).abs().max().item() for n in ("log_probs", "entropy")},
+            }
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        close_parallel()  # the model-parallel groups and the process group
+
+
+def test_tp2_the_key_on_gives_fp32_grade_log_probs_through_areals_vocab_parallel_path(areal_files, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.support.rendezvous import file_store
+
+    with file_store() as init_method:
+        args = (2, init_method, str(tmp_path), areal_files["patched"], areal_files["vocab"])
+        mp.spawn(_tp2_worker, args=args, nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for results in ranks:
+        on, off = results[True], results[False]
+        assert on["shard_rows"] == V // 2  # each rank held half the vocabulary
+        assert on["logits_dtype"] == torch.float32 and on["mode"] == "fp32out"
+        assert off["mode"] is None  # (Float16Module hands the bf16 GEMM's logits on as fp32: bf16-rounded)
+        for name, err in on["errors"].items():
+            assert err < BOUND, (name, err)
+        # off: the stock vocab-parallel step misses float64 by bf16's rounding of the logits
+        assert off["errors"]["log_probs"] > 5 * BOUND, off["errors"]
+    # the group's reductions give both ranks every token's log-prob, the same on each
+    assert torch.equal(ranks[0][True]["log_probs"], ranks[1][True]["log_probs"])
