@@ -72,7 +72,7 @@ def _areal_logprobs():
 
 def rollout(model: Path, plugin: Path, fp32: bool, seeds: list[int]) -> dict[int, list]:
     """Each seed's samples from one engine: (prompt, tokens, the rollout's log-probs)."""
-    from bench.vllm_cpu_rollout import rollout as engine_rollout
+    from bench.engine_mismatch import rollout as engine_rollout
 
     shape = dict(prompts=PROMPTS, samples=SAMPLES, new_tokens=NEW_TOKENS, temperature=TEMPERATURE)
     return engine_rollout(model, plugin, fp32, seeds, key="actor.fsdp.enable_fp32_lm_head", **shape)
@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
+    from bench.engine_mismatch import summarize
+
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from tests.heavy.vllm_engine import harness
 
@@ -135,16 +137,7 @@ def main() -> None:
                 samples = rollouts[side][seed]
                 trainer = trainer_logprobs(model, head, samples, gather_logprobs)
                 per_seed[way].append(metrics([s[2] for s in samples], trainer))
-    summary = {
-        way: {
-            key: {
-                "mean": statistics.fmean(r[key] for r in runs),
-                "spread": [min(r[key] for r in runs), max(r[key] for r in runs)],
-            }
-            for key in runs[0]
-        }
-        for way, runs in per_seed.items()
-    }
+    summary = summarize(per_seed)
     from importlib.metadata import version
 
     result = {

