@@ -25,7 +25,12 @@ from tests.support.pypi import _locked, cache_root
 
 BASE = "localhost/fp32patch-test/debian-python"
 CA = "/etc/ssl/certs/ca-certificates.crt"
-MMDEBSTRAP = ["mmdebstrap", "--variant=minbase", "--include=python3,python3-venv,python3-pip,ca-certificates", "trixie"]
+# --format=tar: mmdebstrap reads the format from the target's name otherwise, and the partial file's
+# name (".partial") made it write a directory, which `podman import` then refused
+MMDEBSTRAP = [
+    "mmdebstrap", "--variant=minbase", "--format=tar", "--include=python3,python3-venv,python3-pip,ca-certificates",
+    "trixie",
+]  # fmt: skip
 
 
 def why_not() -> str | None:
@@ -76,11 +81,13 @@ class Podman:
 def base_tarball() -> Path:
     """Debian trixie's minbase with Python, made once by mmdebstrap and kept in the test cache."""
     tarball = cache_root() / "images" / "debian-trixie-python.tar"
-    if tarball.exists():
+    if tarball.is_file():
         return tarball
+    if tarball.is_dir():  # what an earlier run without --format=tar left: made again
+        shutil.rmtree(tarball)
     tarball.parent.mkdir(parents=True, exist_ok=True)
     with _locked("images-base"):
-        if not tarball.exists():
+        if not tarball.is_file():
             partial = tarball.with_name(f".{tarball.name}.partial")
             subprocess.run([*MMDEBSTRAP, str(partial)], check=True, capture_output=True)
             os.replace(partial, tarball)
