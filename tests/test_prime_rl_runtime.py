@@ -214,6 +214,22 @@ def test_the_probe_names_why_a_worker_disagrees():
         hold([_report("float32", env="1", env_name="FP32PATCH_VLLM_LM_HEAD")], False, where="inference server")
 
 
+def test_a_worker_report_names_prime_rl_patch_as_the_route_of_its_fp32_logits(monkeypatch):
+    from types import SimpleNamespace
+
+    from fp32patch.runtime.heads import vllm_probe
+    from fp32patch.runtime.prime_rl import probe
+
+    native = {"dtype": "float32", "way": "native", "reason": "vLLM computes this head in fp32 itself"}
+    monkeypatch.setattr(vllm_probe, "probe_vllm_model", lambda model: dict(native))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=object()))
+    for state, way in (((True, True), "prime-rl"), ((True, False), "native"), ((False, None), "native")):
+        monkeypatch.setattr(probe, "_prime_rl_state", lambda model, state=state: state)
+        report = probe.worker_report(worker)
+        assert report["way"] == way, state
+        assert ("Prime-RL's own vLLM patch" in report["reason"]) == (way == "prime-rl")
+
+
 def test_importing_the_runtime_imports_no_torch_vllm_or_prime_rl():
     code = (
         "import sys, fp32patch.runtime.prime_rl\n"

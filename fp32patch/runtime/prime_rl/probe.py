@@ -29,7 +29,18 @@ def worker_report(worker: Any) -> dict[str, Any]:
     model = worker.model_runner.model
     report = probe_vllm_model(model)
     report["prime_rl_patch"], report["prime_rl_enabled"] = _prime_rl_state(model)
+    if report.get("dtype") == "float32" and report.get("way") == "native" and _prime_rl_on(report):
+        # the generic probe's reason names vLLM's own head_dtype; here Prime-RL's patch made them
+        report["way"] = "prime-rl"
+        report["reason"] = (
+            "fp32 logits by Prime-RL's own vLLM patch (monkey_patch_fp32_lm_head: bf16 operands, "
+            "torch.mm out_dtype float32), on by additional_config fp32_lm_head"
+        )
     return report
+
+
+def _prime_rl_on(report: Mapping[str, Any]) -> bool:
+    return bool(report.get("prime_rl_patch")) and report.get("prime_rl_enabled") is True
 
 
 def _prime_rl_state(model: Any) -> tuple[bool, bool | None]:
