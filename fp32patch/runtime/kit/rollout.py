@@ -34,6 +34,25 @@ class Switch:
         return self.value in VLLM_ON_VALUES
 
 
+def driver_switch_notes(switch: Switch | None, *, key: str, mode: str, unit: str, how: str) -> list[str]:
+    """The driver's own vLLM switch beside a stack key that turns every vLLM ``unit`` ("engine",
+    "server") on itself (``how``: what fp32patch does from the key, for the note): an off value
+    is refused (the two disagree), an on value is a note (not needed), none is nothing."""
+    if switch is None:
+        return []
+    if switch.value in VLLM_OFF_VALUES:
+        raise Fp32LmHeadConfigError(
+            f'{key} is {mode!r} but {switch.source} is "{switch.value}": the two disagree. Remove {switch.name}; '
+            f"{key} turns vLLM's fp32 head on in every {unit}"
+        )
+    if switch.value in VLLM_ON_VALUES:
+        return [
+            f"{switch.source} is set in the driver; fp32patch {how} from {key} (and the probe checks each), "
+            "so the variable is not needed"
+        ]
+    return []
+
+
 def read_vllm_switch(env_vars: Mapping[str, Any] | None, env_vars_at: str, environ: Mapping[str, str]) -> Switch | None:
     """vLLM's switch as a stack's workers will see it: from the config's ``env_vars`` (at
     ``env_vars_at``, e.g. ``policy.generation.vllm_cfg.env_vars``; values handed on as ``str()``)

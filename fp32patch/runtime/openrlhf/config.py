@@ -44,9 +44,8 @@ from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, near_miss, trainer_mode
-from fp32patch.runtime.kit.rollout import read_vllm_switch
+from fp32patch.runtime.kit.rollout import driver_switch_notes, read_vllm_switch
 from fp32patch.runtime.kit.stack import Stack
-from fp32patch.runtime.modes import VLLM_OFF_VALUES, VLLM_ON_VALUES
 
 NAME = "fp32_lm_head"  # the namespace's attribute
 KEY = f"--{NAME}"  # the flag as users write it
@@ -146,16 +145,9 @@ def validate_fp32_lm_head_config(args: Any, *, environ: Mapping[str, str] | None
             f"and no other rollout could be checked. Start vLLM engines, or drop {KEY}"
         )
     _refuse_unwired_heads(args, mode)
-    if switch is not None and switch.value in VLLM_OFF_VALUES:
-        raise Fp32LmHeadConfigError(
-            f'{KEY} is {mode!r} but {switch.source} is "{switch.value}": the two disagree. Remove {switch.name}; '
-            f"{KEY} turns vLLM's fp32 head on in every engine"
-        )
-    if switch is not None and switch.value in VLLM_ON_VALUES:
-        notes.append(
-            f"{switch.source} is set in the driver; fp32patch sets vLLM's fp32 head for every engine from {KEY} "
-            "(and the probe checks each), so the variable is not needed"
-        )
+    notes += driver_switch_notes(
+        switch, key=KEY, mode=mode, unit="engine", how="sets vLLM's fp32 head for every engine"
+    )
     return OpenRLHFSettings(mode=mode, engines=engines, is_correction=correction, notes=tuple(notes))
 
 

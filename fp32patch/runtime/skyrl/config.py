@@ -41,9 +41,8 @@ from typing import Any
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.kit.config import ONE_SIDED_EVIDENCE, plain, section, trainer_mode
-from fp32patch.runtime.kit.rollout import HEAD_DTYPE_SINCE, head_dtype_overrides, read_vllm_switch
+from fp32patch.runtime.kit.rollout import HEAD_DTYPE_SINCE, driver_switch_notes, head_dtype_overrides, read_vllm_switch
 from fp32patch.runtime.kit.stack import Stack
-from fp32patch.runtime.modes import VLLM_OFF_VALUES, VLLM_ON_VALUES
 
 NAME = "fp32_lm_head"  # the field of SkyRL's TrainerConfig
 KEY = f"trainer.{NAME}"  # as users write it on the command line
@@ -115,16 +114,9 @@ def validate_fp32_lm_head_config(
             "by vLLM's own head_dtype, which vLLM has from 0.26 (SkyRL 0.4.0 pins 0.30.0, and its server path runs "
             "on no vLLM before 0.26). Install the vLLM SkyRL pins"
         )
-    if switch is not None and switch.value in VLLM_OFF_VALUES:
-        raise Fp32LmHeadConfigError(
-            f'{KEY} is {mode!r} but {switch.source} is "{switch.value}": the two disagree. Remove {switch.name}; '
-            f"{KEY} turns vLLM's fp32 head on in every server"
-        )
-    if switch is not None and switch.value in VLLM_ON_VALUES:
-        notes.append(
-            f"{switch.source} is set in the driver; fp32patch asks every vLLM server for head_dtype float32 from "
-            f"{KEY} (and the probe checks each), so the variable is not needed"
-        )
+    notes += driver_switch_notes(
+        switch, key=KEY, mode=mode, unit="server", how="asks every vLLM server for head_dtype float32"
+    )
     if str(environ.get(BATCH_INVARIANT, "")).strip() not in ("", "0"):
         notes.append(
             f"{BATCH_INVARIANT} is set: vLLM's fp32 head (head_dtype) and the trainer's ({mode}) are different "
