@@ -32,6 +32,7 @@ from tests.fixtures.prime_rl_shapes import (
     install_vllm,
     roots,
 )
+from tests.support.lifecycle import checkout_rounds, outside_state
 
 pytest.importorskip("pydantic")
 
@@ -45,10 +46,6 @@ EDITS = {
     WORKERS["nccl"]: ("gate-nccl", "probe-nccl"),
     WORKERS["nixl"]: ("gate-nixl", "probe-nixl"),
 }
-
-
-def outside_state(root: Path) -> dict[str, str]:
-    return {k: v for k, v in tree_digest(root).items() if not k.startswith(".fp32patch")}
 
 
 def test_lifecycle(tmp_path, cli):
@@ -66,24 +63,7 @@ def test_lifecycle(tmp_path, cli):
             assert patched[path].count(f"# fp32patch: {SPEC} [{edit}]") == 1, (path, edit)
     assert "model = _fp32patch_wire_trainer(model, config)" in patched[TRAIN]
 
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "applied", out
-    manifest = (root / ".fp32patch" / "manifest.json").read_bytes()
-    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
-    assert {p: (root / p).read_text() for p in PATCHED} == patched
-    assert (root / ".fp32patch" / "manifest.json").read_bytes() == manifest
-
-    (root / TRAIN).write_text(patched[TRAIN] + "\n# a local edit\n")
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "drifted", out
-    (root / TRAIN).write_text(patched[TRAIN])
-
-    result = cli("revert", "-s", root, "--patch", SPEC)
-    assert result.exit_code == 0, result.stdout + result.stderr
-    assert outside_state(root) == before
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "not-applied"
+    checkout_rounds(cli, root, spec=SPEC, patched=patched, drift=TRAIN, before=before)
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from tests.fixtures.slime_shapes import (
     install_sglang,
     sglang_http,
 )
+from tests.support.lifecycle import checkout_rounds, outside_state
 
 SPEC = "slime-fp32-lm-head"
 EDITS = {
@@ -35,10 +36,6 @@ EDITS = {
     MODEL: ("gate-model", "wire"),
     ENGINE: ("gate-engine", "server-args", "probe", "probe-external"),
 }
-
-
-def outside_state(root: Path) -> dict[str, str]:
-    return {k: v for k, v in tree_digest(root).items() if not k.startswith(".fp32patch")}
 
 
 def test_lifecycle(tmp_path, cli):
@@ -56,24 +53,7 @@ def test_lifecycle(tmp_path, cli):
             assert patched[path].count(f"# fp32patch: {SPEC} [{edit}]") >= 1, (path, edit)
     assert "model = _fp32patch_wire_model(model, args, role)" in patched[MODEL]
 
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "applied", out
-    manifest = (root / ".fp32patch" / "manifest.json").read_bytes()
-    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
-    assert {p: (root / p).read_text() for p in PATCHED} == patched
-    assert (root / ".fp32patch" / "manifest.json").read_bytes() == manifest
-
-    (root / MODEL).write_text(patched[MODEL] + "\n# a local edit\n")
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "drifted", out
-    (root / MODEL).write_text(patched[MODEL])
-
-    result = cli("revert", "-s", root, "--patch", SPEC)
-    assert result.exit_code == 0, result.stdout + result.stderr
-    assert outside_state(root) == before
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "not-applied"
+    checkout_rounds(cli, root, spec=SPEC, patched=patched, drift=MODEL, before=before)
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,31 @@ def lifecycle(
     assert code == 1 and {p["id"]: p["status"] for p in out["patches"]}[spec] == "not-applied"
 
 
+def checkout_rounds(cli, root: Path, *, spec: str, patched: Mapping[str, str], drift: str, before) -> None:
+    """The rest of one patch's lifecycle on a checkout it was just applied to (``patched``: the
+    files as apply wrote them; ``before``: ``outside_state`` before apply): verify says applied,
+    apply again changes nothing (files and manifest), a local edit of ``drift`` reads drifted,
+    revert gives every byte back and verify then says not-applied."""
+    code, out = cli.json("verify", "-s", root, "--patch", spec)
+    assert code == 0 and out["patches"][0]["status"] == "applied", out
+    manifest = (root / ".fp32patch" / "manifest.json").read_bytes()
+    code, out = cli.json("apply", "-s", root, "--patch", spec)
+    assert code == 0 and out["patches"][0]["status"] == "already-applied"
+    assert {p: (root / p).read_text() for p in patched} == dict(patched)
+    assert (root / ".fp32patch" / "manifest.json").read_bytes() == manifest
+
+    (root / drift).write_text(patched[drift] + "\n# a local edit\n")
+    code, out = cli.json("verify", "-s", root, "--patch", spec)
+    assert code == 1 and out["patches"][0]["status"] == "drifted", out
+    (root / drift).write_text(patched[drift])
+
+    result = cli("revert", "-s", root, "--patch", spec)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert outside_state(root) == before
+    code, out = cli.json("verify", "-s", root, "--patch", spec)
+    assert code == 1 and out["patches"][0]["status"] == "not-applied"
+
+
 def gate_namespace(source: bytes) -> tuple[dict[str, Any], list[str]]:
     """The gate's functions of a patched file (its ``_fp32patch_*`` defs), run in a namespace
     whose imports are recorded: ``(namespace, names imported so far)``."""
