@@ -32,8 +32,8 @@ from fp32patch.patcher.spec import load_specs
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.openrlhf import MARK, check_config
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.lifecycle import drifted_then_forced, lifecycle, neighbour, without_ours
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle, neighbour, without_ours
 from tests.support.pypi import import_root_from_members, member_files
 
 pytestmark = pytest.mark.network
@@ -313,16 +313,7 @@ def test_lifecycle_beside_the_vllm_patches(version, vllm, tmp_path, cli, monkeyp
 @pytest.mark.parametrize("version", ["0.9.8", "0.11.2"])
 def test_a_hand_edited_file_is_drifted_and_reverted_only_by_force(version, tmp_path, cli):
     root = import_root_from_members("openrlhf", version, list(FILES.values()), tmp_path / "site-packages")
-    originals = {p: (root / p).read_bytes() for p in FILES.values()}
-    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
-    assert code == 0, out
-    target = root / FILES["actor"]
-    target.write_bytes(target.read_bytes() + b"\n# a local change\n")
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "drifted", out
-    assert cli("revert", "-s", root, "--patch", SPEC).exit_code == 3
-    assert cli("revert", "-s", root, "--patch", SPEC, "--force").exit_code == 0
-    assert {p: (root / p).read_bytes() for p in FILES.values()} == originals
+    drifted_then_forced(cli, root, spec=SPEC, paths=FILES.values(), edit=FILES["actor"])
 
 
 def test_a_release_before_the_range_is_refused(tmp_path, cli):

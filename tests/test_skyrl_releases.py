@@ -21,8 +21,8 @@ import pytest
 import fp32patch
 from fp32patch.runtime.skyrl import MARK
 from tests.conftest import LOGITS_PROCESSOR, NEMOTRON, tree_digest
+from tests.support.lifecycle import drifted_then_forced, lifecycle, neighbour, without_ours
 from tests.support.lifecycle import gate_namespace as _gate
-from tests.support.lifecycle import lifecycle, neighbour, without_ours
 from tests.support.pypi import import_root_from_members
 
 pytestmark = pytest.mark.network
@@ -175,16 +175,7 @@ def test_lifecycle_beside_the_vllm_patches(tmp_path, cli, monkeypatch):
 
 def test_a_hand_edited_file_is_drifted_and_reverted_only_by_force(tmp_path, cli):
     root = import_root_from_members("skyrl", VERSION, list(FILES.values()), tmp_path / "site-packages")
-    originals = {p: (root / p).read_bytes() for p in FILES.values()}
-    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
-    assert code == 0, out
-    target = root / FILES["wrapper"]
-    target.write_bytes(target.read_bytes() + b"\n# a local change\n")
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "drifted", out
-    assert cli("revert", "-s", root, "--patch", SPEC).exit_code == 3
-    assert cli("revert", "-s", root, "--patch", SPEC, "--force").exit_code == 0
-    assert {p: (root / p).read_bytes() for p in FILES.values()} == originals
+    drifted_then_forced(cli, root, spec=SPEC, paths=FILES.values(), edit=FILES["wrapper"])
 
 
 def test_the_release_before_is_refused_by_name(tmp_path, cli):

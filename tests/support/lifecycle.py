@@ -94,6 +94,21 @@ def checkout_rounds(cli, root: Path, *, spec: str, patched: Mapping[str, str], d
     assert code == 1 and out["patches"][0]["status"] == "not-applied"
 
 
+def drifted_then_forced(cli, root: Path, *, spec: str, paths: Iterable[str], edit: str) -> None:
+    """``spec`` applied on ``root``, then a local change to ``edit``: verify says drifted, revert
+    refuses (exit 3), ``revert --force`` gives back every byte of ``paths`` as they were before apply."""
+    originals = {p: (root / p).read_bytes() for p in paths}
+    code, out = cli.json("apply", "-s", root, "--patch", spec)
+    assert code == 0, out
+    target = root / edit
+    target.write_bytes(target.read_bytes() + b"\n# a local change\n")
+    code, out = cli.json("verify", "-s", root, "--patch", spec)
+    assert code == 1 and out["patches"][0]["status"] == "drifted", out
+    assert cli("revert", "-s", root, "--patch", spec).exit_code == 3
+    assert cli("revert", "-s", root, "--patch", spec, "--force").exit_code == 0
+    assert {p: (root / p).read_bytes() for p in originals} == originals
+
+
 def gate_namespace(source: bytes) -> tuple[dict[str, Any], list[str]]:
     """The gate's functions of a patched file (its ``_fp32patch_*`` defs), run in a namespace
     whose imports are recorded: ``(namespace, names imported so far)``."""
