@@ -590,6 +590,27 @@ def rule_from_head(results: dict) -> dict[tuple[int, int], tuple[int, int]]:
     return rule
 
 
+def keep_limit_from_head(results: dict) -> int:
+    """From a ``--head`` run: the ``KEEP_LOGITS_BYTES`` the measurements ask for, the largest
+    logits size (tokens x vocabulary x 4 bytes) up to which keeping the logits (the ``keep`` way)
+    is at least as fast as recomputing them (``recompute``) and stays at or under the stock head's
+    peak, in every cell of that size and every smaller one (any hidden size, entropy off and on);
+    0 where it loses at the smallest size measured."""
+    by_size: dict[int, list[dict]] = {}
+    for cell in results["cells"]:
+        by_size.setdefault(cell["tokens"] * cell["vocab"] * 4, []).append(cell["ways"])
+    limit = 0
+    for size in sorted(by_size):
+        for ways in by_size[size]:
+            keep, again, stock = ways.get("keep", {}), ways.get("recompute", {}), ways.get("stock", {})
+            if keep.get("oom") or "ms" not in keep or again.get("oom") or "ms" not in again:
+                return limit
+            if keep["ms"] > again["ms"] or (not stock.get("oom") and keep["peak_gib"] > stock.get("peak_gib", 0.0)):
+                return limit
+        limit = size
+    return limit
+
+
 # ---------------------------------------------------------------- profile
 
 
@@ -709,8 +730,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", help="write each profile table here too")
     args = ap.parse_args(argv)
     if args.rule:
-        for (hdim, tokens), tile in rule_from_head(json.loads(Path(args.rule).read_text())).items():
+        measured = json.loads(Path(args.rule).read_text())
+        for (hdim, tokens), tile in rule_from_head(measured).items():
             print(f"    ({hdim}, {tokens}): {tile},")
+        limit = keep_limit_from_head(measured)
+        print(f"KEEP_LOGITS_BYTES = {limit}  # {limit / 2**30:.2f} GiB: kept logits win up to this size")
         return 0
     if args.cpu:
         DEVICE = "cpu"

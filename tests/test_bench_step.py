@@ -130,6 +130,33 @@ def test_the_rule_takes_the_fastest_tile_within_the_stock_peak() -> None:
     assert step.rule_from_head(results) == {(896, 4096): (8192, 0), (896, 65536): (8192, 16384)}
 
 
+def test_the_keep_limit_is_the_largest_size_where_kept_logits_win_everywhere_below() -> None:
+    def cell(tokens, hidden, keep, again, stock=(20.0, 9.0), keep_peak=1.0):
+        ways = {"keep": {"ms": keep, "peak_gib": keep_peak}, "recompute": {"ms": again, "peak_gib": 0.5}}
+        ways["stock"] = {"oom": True} if stock is None else {"ms": stock[0], "peak_gib": stock[1]}
+        return {"hidden": hidden, "vocab": 1000, "tokens": tokens, "entropy": False, "ways": ways}
+
+    results = {
+        "cells": [
+            cell(1024, 896, 5, 8),
+            cell(1024, 3584, 9, 10),
+            cell(2048, 896, 9, 12),
+            cell(2048, 3584, 18, 19),
+            cell(4096, 896, 20, 21),
+            cell(4096, 3584, 31, 30),  # recomputing wins here: the limit stops below 4096 tokens
+            cell(8192, 896, 30, 40),
+        ]
+    }
+    assert step.keep_limit_from_head(results) == 2048 * 1000 * 4
+    # over the stock head's peak, or out of memory, stops it too
+    results["cells"][2] = cell(2048, 896, 9, 12, keep_peak=10.0)
+    assert step.keep_limit_from_head(results) == 1024 * 1000 * 4
+    results["cells"][0]["ways"]["keep"] = {"oom": True}
+    assert step.keep_limit_from_head(results) == 0
+    # stock out of memory: the kept logits' peak is not held to it
+    assert step.keep_limit_from_head({"cells": [cell(1024, 896, 5, 8, stock=None, keep_peak=50.0)]}) == 4096000
+
+
 def test_choose_tiles_gives_the_measured_defaults_and_explicit_tiles_win() -> None:
     assert choose_tiles(4096, 151936, 896) == (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB)
     from fp32patch.runtime.kernels import chunked_logprobs as module
