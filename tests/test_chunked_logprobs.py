@@ -562,7 +562,11 @@ def test_which_calls_keep_their_logits(monkeypatch):
         )
 
     monkeypatch.delenv(module.KEEP_LOGITS_ENV_VAR, raising=False)
-    assert plan().keep  # a short call keeps
+    assert plan().keep  # a short call keeps, and reads its logits in one tile
+    assert (plan().chunk_rows, plan().chunk_vocab) == (T, V)
+    assert (plan(keep_logits=True).chunk_rows, plan(keep_logits=True).chunk_vocab) == (T, V)
+    kept_tiles = plan(chunk_rows=16, keep_logits=True)
+    assert (kept_tiles.chunk_rows, kept_tiles.chunk_vocab) == (16, module.DEFAULT_CHUNK_VOCAB)  # a tile asked for
     assert not plan(chunk_rows=16).keep and not plan(chunk_vocab=64).keep  # a tile asked for: recompute
     assert plan(chunk_rows=16, keep_logits=True).keep and not plan(keep_logits=False).keep
     limit = module.KEEP_LOGITS_BYTES

@@ -153,7 +153,9 @@ def test_kept_logits_on_cuda_give_what_recomputing_gives(mode, temperature):
         ((lp * grad).sum() + 0.1 * ent.sum()).backward()
         got.append((lp.detach(), ent.detach(), xl.grad, wl.grad))
     (lp1, ent1, dx1, dw1), (lp2, ent2, dx2, dw2) = got
-    assert (lp1 - lp2).abs().max() < 2e-5 and (ent1 - ent2).abs().max() < 2e-5
+    # the kept logits come from cuBLAS's fp32-output GEMM, the recomputing forward from the fused
+    # Triton GEMM + logsumexp: two fp32 summation orders, a few 1e-5 apart at |log p| ~10 (bf16's: 1e-2)
+    assert (lp1 - lp2).abs().max() < 1e-4 and (ent1 - ent2).abs().max() < 1e-4
     assert _rel(dw1, dw2) < 2e-3 and _rel(dx1, dx2) < 2e-3  # bf16 deliveries of equal fp32 sums
     lp64, ent64, _, _ = _float64(x, w, targets, grad, temperature)
     assert (lp1.double() - lp64).abs().max() < 2e-4

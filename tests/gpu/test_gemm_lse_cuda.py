@@ -81,9 +81,10 @@ def test_the_fused_forward_writes_no_tile_and_is_fp32_grade(monkeypatch, t, h, v
 def test_it_agrees_with_the_tiles_it_replaces(monkeypatch):
     x, w, targets = _problem(1000, 1024, 32768)
     with torch.no_grad():
-        fused, fused_ent = cl.chunked_logprobs(x, w, targets, entropy=True, temperature=0.7)
+        # keep_logits=False: the recomputing path, whose forward this kernel is (a short call would keep its logits)
+        fused, fused_ent = cl.chunked_logprobs(x, w, targets, entropy=True, temperature=0.7, keep_logits=False)
         monkeypatch.setenv(cl.GEMM_LSE_ENV_VAR, "0")
-        tiles, tiles_ent = cl.chunked_logprobs(x, w, targets, entropy=True, temperature=0.7)
+        tiles, tiles_ent = cl.chunked_logprobs(x, w, targets, entropy=True, temperature=0.7, keep_logits=False)
     # two fp32 summations of the same exact products: they differ in the order only
     assert (fused - tiles).abs().max() < 5e-5
     assert (fused_ent - tiles_ent).abs().max() < 5e-5
@@ -111,7 +112,7 @@ def test_a_shard_takes_only_the_targets_it_holds(monkeypatch):
     shard, start = w[4000:7000], 4000
     _no_tiles(monkeypatch)
     with torch.no_grad():
-        lp = cl.chunked_logprobs(x, shard, targets, vocab_start=start)
+        lp = cl.chunked_logprobs(x, shard, targets, vocab_start=start, keep_logits=False)
     lp64, _ = _float64(x, shard, targets - start)
     assert (lp.double() - lp64).abs().max() < 2e-4
     held = (targets >= start) & (targets < start + 3000)
@@ -125,7 +126,7 @@ def test_the_training_forward_uses_it_and_the_gradient_is_right(monkeypatch):
     real = gemm_lse_triton.block_stats
     monkeypatch.setattr(gemm_lse_triton, "block_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    lp = cl.chunked_logprobs(xg, wg, targets, temperature=0.7)
+    lp = cl.chunked_logprobs(xg, wg, targets, temperature=0.7, keep_logits=False)
     grad = torch.randn(600, device="cuda")
     (lp * grad).sum().backward()
     assert calls
@@ -142,6 +143,6 @@ def test_operands_it_cannot_take_keep_the_tiles():
     assert not gemm_lse_triton.usable(x, w)
     assert not gemm_lse_triton.usable(x.float(), w.float())
     with torch.no_grad():
-        lp = cl.chunked_logprobs(x, w, targets)
+        lp = cl.chunked_logprobs(x, w, targets, keep_logits=False)
     lp64, _ = _float64(x, w, targets)
     assert (lp.double() - lp64).abs().max() < 2e-4

@@ -251,13 +251,19 @@ def _plan(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"chunked_logprobs: {name} must be an int >= 1, not {value!r}")
         tiles.append(value)
+    asked = chunk_rows is not None or chunk_vocab is not None
     if keep_logits is None:
-        asked = chunk_rows is not None or chunk_vocab is not None
         keep = not asked and keeps_logits(math.prod(targets.shape), weight.shape[0])
     elif isinstance(keep_logits, bool):
         keep = keep_logits
     else:
         raise TypeError(f"chunked_logprobs: keep_logits must be None, True or False, not {keep_logits!r}")
+    if keep and not asked:
+        # kept logits are read in one tile: the H200 head sweep (bench/RESULTS.md, 2026-12-05) found
+        # the vocabulary blocks' fixed cost (launches, per-block copies) dominating short calls, and
+        # whole-vocabulary tiles the fastest there; the backward's 16-bit copies of that one tile
+        # (4 bytes a logit) beside the kept logits (4) stay under the stock head's 10
+        tiles = [max(1, math.prod(targets.shape)), max(1, weight.shape[0])]
     return _Plan(
         mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles,
         None if softcap is None else float(softcap), keep,
