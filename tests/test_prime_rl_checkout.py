@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import tree_digest
 from tests.fixtures.prime_rl_shapes import PATCHED, RL_CONFIG, SERVER, TRAIN, TRAINER_CONFIG, WORKERS
-from tests.support.lifecycle import gate_namespace, neighbour
+from tests.support.lifecycle import checkout_rounds, gate_namespace, neighbour
 
 CHECKOUT = os.environ.get("FP32PATCH_PRIME_RL_CHECKOUT")
 pytestmark = pytest.mark.skipif(
@@ -50,19 +50,8 @@ def test_lifecycle_on_the_real_files(root, cli):
     for path in PATCHED:
         text = (root / path).read_text()
         compile(text, path, "exec", dont_inherit=True)
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "applied", out
-    patched = {p: (root / p).read_bytes() for p in PATCHED}
-    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
-    assert {p: (root / p).read_bytes() for p in PATCHED} == patched
-    (root / SERVER).write_bytes(patched[SERVER] + b"\n# a local edit\n")
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "drifted", out
-    (root / SERVER).write_bytes(patched[SERVER])
-    result = cli("revert", "-s", root, "--patch", SPEC)
-    assert result.exit_code == 0, result.stdout + result.stderr
-    assert tree_digest(root) == before
+    patched = {p: (root / p).read_text() for p in PATCHED}
+    checkout_rounds(cli, root, spec=SPEC, patched=patched, drift=SERVER, before=before)
 
 
 def _scope(tree: ast.AST, name: str) -> ast.AST:
