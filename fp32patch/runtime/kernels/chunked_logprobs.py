@@ -29,13 +29,13 @@ divides each token's logits by its own; a soft-cap (``softcap``: Gemma's
 ``1 - tanh**2`` joins the backward in fp32. Either one runs the per-tile torch steps on every
 device (the Triton kernels take one scalar temperature and no cap).
 
-Short sequences keep the logits (``keep_logits``): where the fp32 logits of a call are small
-(``KEEP_LOGITS_BYTES``, at most 4 bytes per logit of this rank's shard), the forward computes
-them in one fp32-output GEMM, folds them, and saves them for the backward, which then reads each
-tile out of them instead of computing it again: three GEMMs in all, as the stock head does,
-instead of four, and no fused-kernel fixed cost, for 4 bytes per logit held from the forward to
-the head's backward (the stock head holds 10). Long sequences recompute, and never hold the
-[T, V] logits.
+Short sequences keep the logits (``keep_logits``): where the fp32 logits of a call (4 bytes a
+logit of this rank's shard) take at most ``KEEP_LOGITS_BYTES``, the forward computes them in one
+fp32-output GEMM, folds them, and saves them for the backward, which reads them (in one
+whole-vocabulary tile unless a tile is asked for) instead of computing them again: three GEMMs
+in all, as the stock head does, instead of four, for 4 bytes a logit held from the forward to the
+head's backward and 4 more for the backward's 16-bit copies (the stock head holds 10). Long
+sequences recompute, and never hold the [T, V] logits.
 
 The tiles go vocabulary block by vocabulary block, tokens inside: then only one block's
 weight gradient is in flight, and a block whose ``chunk_rows`` covers every token gets its
@@ -588,14 +588,10 @@ class _TritonKernels:
 # ---------------------------------------------------------------- the passes
 
 
-def _forward_stats(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan, temps=None):
-    """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]
-    (``temps``: per-token temperatures [T], or None for the plan's)."""
-    return _forward(x, weight, targets, plan, temps)[:3]
-
-
 def _forward(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: _Plan, temps=None):
-    """``_forward_stats``' three, and the fp32 logits [T, V] when the plan keeps them (else None)."""
+    """log Z, the target's logit and (or None) the entropy per token of the flat ``x`` [T, H]
+    (``temps``: per-token temperatures [T], or None for the plan's), and the fp32 logits [T, V]
+    when the plan keeps them (else None)."""
     stats = RowStats(x.shape[0], x.device, plan.entropy)
     local = targets - plan.vocab_start
     if plan.keep:
