@@ -20,26 +20,19 @@ policy-gradient loss with an entropy bonus, backward.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from megatron_harness import S, V, config, gpt_model
 from nemo_rl_fused import PACKED_LENGTHS, no_rng_fork
 
-from fp32patch.patcher.spec import load_specs
-from fp32patch.patcher.transform import transform
 from fp32patch.runtime.heads.megatron import fp32_lm_head_mode
+from tests.support.areal import engine_files, load_vocab_parallel
 from tests.support.lifecycle import gate_namespace
-from tests.support.pypi import member_files
 
-SPEC = "areal-fp32-lm-head"
-VERSION = "1.0.4"
 ENGINE = "areal/engine/megatron_engine.py"
-VOCAB_PARALLEL = "areal/utils/functional/vocab_parallel.py"
 TEMPERATURE = 0.7
 ENTROPY_COEF = 0.01
 BOUND = 2e-5  # |Δ| against float64 of fp32-rounded logits below 10 in magnitude, over 128 entries
@@ -47,34 +40,13 @@ BOUND = 2e-5  # |Δ| against float64 of fp32-rounded logits below 10 in magnitud
 
 @pytest.fixture(scope="module")
 def areal_files() -> dict[str, bytes]:
-    spec = next(s for s in load_specs() if s.id == SPEC)
-    paths = [p for _, p in spec.target.files]
-    files = member_files("areal", VERSION, [*paths, VOCAB_PARALLEL])
-    stock = {p: files[p].read_bytes() for p in paths if p in files}
-    result = transform(spec, stock, path=ENGINE, version=VERSION)
-    assert result.status == "applied", result.message
-    return {"stock": stock[ENGINE], "patched": result.files[ENGINE], "vocab": files[VOCAB_PARALLEL].read_bytes()}
+    return engine_files(ENGINE)
 
 
 @pytest.fixture(scope="module")
 def vocab_parallel(areal_files, tmp_path_factory):
     """AReaL 1.0.4's own log-prob module, imported from its wheel's file."""
     return load_vocab_parallel(areal_files["vocab"], tmp_path_factory.mktemp("areal"))
-
-
-def load_vocab_parallel(source: bytes, folder: Path) -> ModuleType:
-    """AReaL's ``vocab_parallel.py`` from ``source`` (its wheel's bytes), written into ``folder``."""
-    platforms = ModuleType("areal.infra.platforms")
-    platforms.is_npu_available = False  # stand-in: AReaL's platform probe (CUDA, NPU, CPU)
-    for name in ("areal", "areal.infra"):
-        sys.modules.setdefault(name, ModuleType(name))
-    sys.modules["areal.infra.platforms"] = platforms
-    path = folder / "vocab_parallel.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("areal_vocab_parallel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def engine(on: bool) -> SimpleNamespace:
