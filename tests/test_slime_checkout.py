@@ -28,6 +28,7 @@ import pytest
 
 from tests.conftest import tree_digest
 from tests.fixtures.slime_shapes import PATCHED, ServerArgs, forget_slime, sglang_http
+from tests.support.lifecycle import checkout_rounds
 
 CHECKOUT = os.environ.get("FP32PATCH_SLIME_CHECKOUT")
 pytestmark = pytest.mark.skipif(
@@ -57,21 +58,8 @@ def test_lifecycle_on_the_real_files(root, cli):
     wired = model.index("model = _fp32patch_wire_model(model, args, role)")
     assert model.rindex("get_model(", 0, wired) > model.index("def setup_model_and_optimizer")
 
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "applied", out
-    patched = {p: (root / p).read_bytes() for p in PATCHED}
-    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
-    assert code == 0 and out["patches"][0]["status"] == "already-applied"
-    assert {p: (root / p).read_bytes() for p in PATCHED} == patched
-
-    engine = root / PATCHED[2]
-    engine.write_bytes(patched[PATCHED[2]] + b"\n# a local edit\n")
-    code, out = cli.json("verify", "-s", root, "--patch", SPEC)
-    assert code == 1 and out["patches"][0]["status"] == "drifted", out
-    engine.write_bytes(patched[PATCHED[2]])
-
-    assert cli("revert", "-s", root, "--patch", SPEC).exit_code == 0
-    assert {k: v for k, v in tree_digest(root).items() if not k.startswith(".fp32patch")} == before
+    patched = {p: (root / p).read_text() for p in PATCHED}
+    checkout_rounds(cli, root, spec=SPEC, patched=patched, drift=PATCHED[2], before=before)
 
 
 # ---------------------------------------------------------------- slime's patched files, run
