@@ -71,6 +71,9 @@ OFF_POLICY_UTILS = "skyrl/backends/skyrl_train/utils/off_policy_correction_utils
 def skyrl_functions():
     """SkyRL's ``logprobs_from_logits`` and ``compute_off_policy_correction``: installed, or from
     its 0.4.0 wheel with stand-ins for ``jaxtyping`` and ``omegaconf`` (annotations and a type)."""
+    from tests.heavy.skyrl.py311 import allow_skyrl
+
+    allow_skyrl()  # the installed SkyRL's Tinker types on Python 3.11 (py311.py says why)
     try:
         utils = importlib.import_module("skyrl.backends.skyrl_train.utils.torch_utils")
         off = importlib.import_module("skyrl.backends.skyrl_train.utils.off_policy_correction_utils")
