@@ -26,7 +26,10 @@ Timing: every way of a (model, tokens, entropy) cell is warmed up (``--warmup`` 
 first compiles its kernels), then timed in ``--rounds`` interleaved rounds (round r starts r
 ways later) of a few steps each; a step is timed with CUDA events around the whole step
 (forward to ``optimizer.zero_grad``); the reported time is the median over all timed steps.
-Peak memory: ``torch.cuda.max_memory_allocated`` over the way's timed steps (the model, its
+The device's busy time per step (``device_ms``): the sum of the kernels' and copies' times over a
+round of steps under torch.profiler; at short context a small model's step is set by the host
+(launches), and wall time then holds the host's gaps that busy time does not: the table gives
+both ratios. Peak memory: ``torch.cuda.max_memory_allocated`` over the way's timed steps (the model, its
 gradients and AdamW's state included). A way that runs out of memory is recorded as ``oom``.
 
 ``--head``: the log-prob head alone (hidden states to loss, forward and backward; no model), the
@@ -432,10 +435,28 @@ def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int) -
                 continue
             if DEVICE == "cuda":
                 out[name]["peak_gib"] = max(out[name]["peak_gib"], torch.cuda.max_memory_allocated() / 2**30)
-    for name, _ in live:
+    for name, fn in live:
         if not out[name].get("oom"):
             out[name]["ms"] = statistics.median(out[name]["ms_steps"])
+            if DEVICE == "cuda":
+                out[name]["device_ms"] = _busy_ms(lambda fn=fn: cell.step(fn, entropy, opt), per_round)
     return out
+
+
+def _busy_ms(step_once: Callable[[], object], steps: int) -> float:
+    """The device's busy time per step: the sum of its kernels' and copies' times over ``steps``
+    steps under torch.profiler, divided by ``steps``. Where the host sets the pace (a small model's
+    short step), the wall time holds the host's gaps between kernels and this does not; the two
+    together say what a way adds on the device and what it adds on the host."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    _sync()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_once()
+        _sync()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
 def run_grid(args) -> dict:
@@ -474,7 +495,8 @@ def _cell_line(row: dict, seconds: float) -> str:
             parts.append(f"{name} OOM")
             continue
         ratio = f" {r['ms'] / base:.3f}x" if base and name != "stock" else ""
-        parts.append(f"{name} {r['ms']:.1f}ms{ratio} {r['peak_gib']:.1f}GiB")
+        busy = f" (device {r['device_ms']:.1f}ms)" if r.get("device_ms") is not None else ""
+        parts.append(f"{name} {r['ms']:.1f}ms{ratio}{busy} {r['peak_gib']:.1f}GiB")
     ent = "ent" if row["entropy"] else "   "
     return f"{row['model']:>12} T={row['tokens']:>6} {ent} | " + " | ".join(parts) + f"  ({seconds:.0f}s)"
 
@@ -685,7 +707,8 @@ def _now() -> str:
 
 
 def table(results: dict) -> str:
-    """Markdown: per stack pair, model, tokens and entropy, the two step times, the ratio and the peaks."""
+    """Markdown: per stack pair, model, tokens and entropy, the two step times and their ratio, the
+    device's busy time per step and its ratio (CUDA; "—" on the CPU), and the peaks."""
     lines = []
     cells = results["cells"]
     for stack, theirs, ours in PAIRS:
@@ -693,17 +716,26 @@ def table(results: dict) -> str:
         if not rows:
             continue
         lines += [f"### {stack}: `{theirs}` against `{ours}`", ""]
-        lines += ["| model | tokens | entropy | stock step | fp32patch step | ratio | peak GiB stock → fp32patch |"]
-        lines += ["| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+        lines += [
+            "| model | tokens | entropy | stock step | fp32patch step | ratio | device busy: stock → fp32patch"
+            " | ratio | peak GiB stock → fp32patch |"
+        ]
+        lines += ["| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
         for c in rows:
             a, b = c["ways"][theirs], c["ways"][ours]
             ta = "out of memory" if a.get("oom") else _ms(a["ms"])
             tb = "out of memory" if b.get("oom") else _ms(b["ms"])
             ratio = "—" if a.get("oom") or b.get("oom") else f"{b['ms'] / a['ms']:.3f}"
+            busy, busy_ratio = "—", "—"
+            if a.get("device_ms") is not None and b.get("device_ms") is not None:
+                busy = f"{_ms(a['device_ms'])} → {_ms(b['device_ms'])}"
+                busy_ratio = f"{b['device_ms'] / a['device_ms']:.3f}"
             pa = "OOM" if a.get("oom") else f"{a['peak_gib']:.1f}"
             pb = "OOM" if b.get("oom") else f"{b['peak_gib']:.1f}"
             ent = "on" if c["entropy"] else "off"
-            lines.append(f"| {c['model']} | {c['tokens']:,} | {ent} | {ta} | {tb} | {ratio} | {pa} → {pb} |")
+            lines.append(
+                f"| {c['model']} | {c['tokens']:,} | {ent} | {ta} | {tb} | {ratio} | {busy} | {busy_ratio} | {pa} → {pb} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

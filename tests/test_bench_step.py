@@ -41,9 +41,11 @@ def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> No
         expected = {w for w in ways if not entropy or step.WAYS[w][1]}
         assert set(cell["ways"]) == expected
         assert all(r["ms"] > 0 and len(r["ms_steps"]) == 1 for r in cell["ways"].values())
+        assert not any("device_ms" in r for r in cell["ways"].values())  # the device's busy time: CUDA's
         assert cell["tiles"] == list(choose_tiles(24, step.MODELS["tiny-tied"]["vocab"], 32))
     printed = capsys.readouterr().out
     assert "| tiny-untied | 24 | on |" in printed and "| tiny-tied | 24 | off |" in printed
+    assert " | — | — | " in printed  # no busy time on the CPU, said as such
     for stack, _, _ in step.PAIRS[:3]:
         assert f"### {stack}" in printed
 
