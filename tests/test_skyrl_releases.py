@@ -40,6 +40,7 @@ FILES = {
     "fsdp": "skyrl/backends/skyrl_train/workers/fsdp/fsdp_worker.py",
     "wrapper": "skyrl/backends/skyrl_train/workers/model_wrapper.py",
     "megatron": "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py",
+    "model_utils": "skyrl/backends/skyrl_train/distributed/megatron/model_utils.py",
 }
 MODEL_CALL = "_fp32patch_model(self, sequences_rolled, temperature, support_channels is None, compute_entropy)"
 
@@ -57,7 +58,12 @@ EDITS = [
      "_fp32patch_wire(self.model, self.cfg, 'reference model')"),
     ("megatron", "MegatronModelWrapper", "__init__", "self._fused_lm_head_backend = ", "after",
      "_fp32patch_wire_megatron(self)"),
+    ("model_utils", None, "_fused_lm_head_logprob_apply", "if (_fp32patch_out := _fp32patch_fused_logprobs(", "at",
+     "if (_fp32patch_out := _fp32patch_fused_logprobs(hidden, weight, target, vocab_start_index, tp_group"),
+    ("model_utils", None, "_fused_vocab_parallel_entropy_from_hidden", "if (_fp32patch_out := _fp32patch_fused_entropy(",
+     "at", "if (_fp32patch_out := _fp32patch_fused_entropy(hidden, lm_head_weight, tp_group, temperature))"),
 ]  # fmt: skip
+SCALED = "_fp32patch_scaled_weight(lm_head_weight, temperature)"
 
 
 def _root(version: str, vllm: str, where: Path) -> Path:
@@ -81,6 +87,8 @@ def _is_ours(stmt: ast.stmt) -> bool:
     if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", "") == "fp32_lm_head":
         return True
     first = ast.unparse(stmt).split("\n")[0]
+    if isinstance(stmt, ast.If):  # the fused path's gates: the stock code runs where they give None
+        return first.startswith("if (_fp32patch_out := _fp32patch_fused_")
     return isinstance(stmt, ast.Expr) and (first.startswith("_fp32patch_") or first.startswith("'fp32patch: "))
 
 
@@ -94,6 +102,8 @@ class _Stock(ast.NodeTransformer):
             return ast.Attribute(value=ast.Name("self", ast.Load()), attr="model", ctx=ast.Load())
         if name in ("_fp32patch_log_probs_fn", "_fp32patch_entropy_fn"):
             return node.args[1]
+        if name == "_fp32patch_scaled_weight":
+            return ast.BinOp(left=node.args[0], op=ast.Div(), right=node.args[1])
         return node
 
 
@@ -111,6 +121,9 @@ def _check_edits(originals: dict[str, bytes], patched: dict[str, bytes]) -> None
     assert forward.count(MODEL_CALL) == 4
     assert "_fp32patch_log_probs_fn(self, logprobs_from_logits)(logits_BSV, sequences_rolled" in forward
     assert "_fp32patch_entropy_fn(self, self.chunked_entropy_from_logits_fn)(logits_BSV" in forward
+    for func in ("from_parallel_hidden_to_logprobs", "from_parallel_hidden_to_logprobs_packed_sequences"):
+        body = ast.unparse(_scope(trees["model_utils"], None, func))
+        assert f"lm_head_weight = {SCALED}" in body and "lm_head_weight / temperature" not in body, func
 
     for key, path in FILES.items():
         names = [n.name for n in trees[key].body if getattr(n, "name", "").startswith("_fp32patch_")]
@@ -139,6 +152,10 @@ def _run_gate_off(source: bytes, monkeypatch) -> list[str]:
         assert ns["_fp32patch_model"](wrapper, None, 1.0, True, True) is wrapper.model
         assert ns["_fp32patch_log_probs_fn"](wrapper, stock) is stock
         assert ns["_fp32patch_entropy_fn"](wrapper, stock) is stock
+        # the fused path's gates: no head is wired, so SkyRL's own code runs
+        assert ns["_fp32patch_scaled_weight"](6.0, 2.0) == 3.0
+        assert ns["_fp32patch_fused_logprobs"](None, object(), None, 0, None, False) is None
+        assert ns["_fp32patch_fused_entropy"](None, object(), None, 0.7) is None
     assert not hasattr(wrapper, MARK)
     return imported
 

@@ -5,6 +5,7 @@ and its probe's verdicts on the reports vLLM workers give. Pure Python: no torch
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -54,7 +55,8 @@ def test_on_off_and_the_dataclasses_skyrl_builds():
         ({"bf16": False}, {}, "trainer.bf16=false"),
         ({"policy": {"fsdp_config": {"mixed_precision": {"param_dtype": "fp32"}}}}, {}, "param_dtype='fp32'"),
         ({"policy": {"model": {"lora": {"rank": 8, "target_modules": ["q_proj", "lm_head"]}}}}, {}, "LoRA adapter"),
-        ({"strategy": "megatron", "fused_lm_head_logprob": True}, {}, "fused_lm_head_logprob=false"),
+        ({"strategy": "megatron", "fused_lm_head_logprob": True, "algorithm": {"enable_sample_support_replay": True}},
+         {}, "enable_sample_support_replay=true"),
         ({}, {"model_dtype": "float16"}, "model_dtype is 'float16'"),
         ({}, {"external_proxy_url": "http://proxy:8080"}, "a proxy hides them"),
         ({}, {"engine_init_kwargs": {"hf_overrides": {"head_dtype": "bfloat16"}}}, "the two disagree"),
@@ -112,13 +114,64 @@ def test_a_probe_holds_every_server_to_the_key():
     )
 
 
-def test_the_megatron_wrapper_refuses_the_fused_bf16_path_and_off_leaves_it():
+def test_the_fused_megatron_path_is_taken_and_off_leaves_it():
     from types import SimpleNamespace
 
     from fp32patch.runtime.skyrl import wire_megatron
 
+    assert _check(_cfg({"strategy": "megatron", "fused_lm_head_logprob": True})).mode == "fp32out"
     fused = SimpleNamespace(cfg=SimpleNamespace(fp32_lm_head="fp32out"), _fused_lm_head=True, actor_module=[])
-    with pytest.raises(Fp32LmHeadConfigError, match=r"fp32patch \(Megatron model\).*fused_lm_head_logprob=true"):
-        wire_megatron(fused)
+    assert wire_megatron(fused) is fused
     off = SimpleNamespace(cfg=SimpleNamespace(fp32_lm_head=False), _fused_lm_head=True, actor_module=object())
     assert wire_megatron(off) is off
+
+
+class _Owner:
+    """A Megatron module as the kit finds it: its output layer converted by fp32patch (the layer's
+    forward is not run here: SkyRL's fused path never calls it)."""
+
+    def __init__(self, weight, fusion: bool = False) -> None:
+        from fp32patch.runtime.heads.megatron import Fp32ForwardImpl
+
+        self.output_layer = SimpleNamespace(weight=weight, gradient_accumulation_fusion=fusion)
+        self.output_layer.__dict__["_forward_impl"] = Fp32ForwardImpl("fp32out")
+
+    def modules(self):
+        return [self]
+
+
+def test_the_fused_path_computes_fp32_log_probs_of_the_wired_head_only():
+    """SkyRL's fused LM-head functions for a wired head: the temperature that SkyRL would divide the
+    bf16 weight by travels with a view of the weight and divides the fp32 logits; the log-probs
+    (with their gradient) and the entropy are float64's within fp32 rounding; another weight's
+    call falls through (None) to SkyRL's own kernel."""
+    import torch
+
+    from fp32patch.runtime.kit.fused import forget_all, remember
+    from fp32patch.runtime.skyrl import fused_entropy, fused_logprobs, fused_mode, scaled_weight
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 16, generator=gen).bfloat16()
+    weight = torch.nn.Parameter((torch.randn(40, 16, generator=gen) * 2).bfloat16())
+    target = torch.randint(0, 40, (2, 5), generator=gen)
+    owner = _Owner(weight)  # held: the kit remembers wired heads weakly
+    remember([owner], "megatron")
+    try:
+        view = scaled_weight(weight, 0.7)
+        assert (fused_mode(weight), fused_mode(view), fused_mode(weight.detach().clone())) == ("fp32out",) * 2 + (None,)
+        assert fused_logprobs(hidden, weight.detach().clone(), target, 0, None, False) is None
+        log_probs = fused_logprobs(hidden, view, target, 0, None, False)
+        z = hidden.double() @ weight.double().t() / 0.7
+        want = torch.log_softmax(z, -1).gather(-1, target[..., None])[..., 0]
+        assert log_probs.dtype == torch.float32 and (log_probs.double() - want).abs().max() < 2e-5
+        log_probs.sum().backward()
+        assert weight.grad is not None and weight.grad.shape == weight.shape
+        entropy = fused_entropy(hidden, weight, None, 0.7)
+        p = torch.softmax(z, -1)
+        assert (entropy.double() + (p * p.log()).sum(-1)).abs().max() < 2e-5
+        assert fused_entropy(hidden, weight.detach().clone(), None, 0.7) is None
+        # SkyRL's own way rounds W / T to bf16 and the logits to bf16: far from float64
+        stock = torch.log_softmax((hidden @ (weight / 0.7).t()).float(), -1).gather(-1, target[..., None])[..., 0]
+        assert (stock.double() - want).abs().max() > 100 * (log_probs.double() - want).abs().max()
+    finally:
+        forget_all()

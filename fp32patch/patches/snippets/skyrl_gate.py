@@ -83,3 +83,37 @@ def _fp32patch_entropy_fn(wrapper, stock):
     if getattr(wrapper, "_fp32patch_lm_head", None) is None:
         return stock
     return _fp32patch_runtime("HFModelWrapper.forward").entropy_fn(stock)
+
+
+def _fp32patch_fused_runtime(weight):
+    """fp32patch's SkyRL runtime where weight is a Megatron head fp32patch wired; None: SkyRL's own fused code runs. fp32patch is never imported here: a head can only be wired where something imported it already."""
+    import sys
+
+    runtime = sys.modules.get("fp32patch.runtime.skyrl")
+    if runtime is None or runtime.fused_mode(weight) is None:
+        return None
+    return runtime
+
+
+def _fp32patch_scaled_weight(weight, temperature):
+    """weight / temperature, as SkyRL's fused LM-head path divides the weight; a head fp32patch wired keeps its weight, and the temperature divides its fp32 logits instead."""
+    runtime = _fp32patch_fused_runtime(weight)
+    if runtime is None:
+        return weight / temperature
+    return runtime.scaled_weight(weight, temperature)
+
+
+def _fp32patch_fused_logprobs(hidden, weight, target, vocab_start, tp_group, inference_only):
+    """The fused LM-head path's token log-probs from fp32patch's fp32 head where weight is one it wired; None: SkyRL's own kernel runs."""
+    runtime = _fp32patch_fused_runtime(weight)
+    if runtime is None:
+        return None
+    return runtime.fused_logprobs(hidden, weight, target, vocab_start, tp_group, inference_only)
+
+
+def _fp32patch_fused_entropy(hidden, weight, tp_group, temperature):
+    """The fused LM-head path's entropy from fp32patch's fp32 head where weight is one it wired; None: SkyRL's own code runs."""
+    runtime = _fp32patch_fused_runtime(weight)
+    if runtime is None:
+        return None
+    return runtime.fused_entropy(hidden, weight, tp_group, temperature)

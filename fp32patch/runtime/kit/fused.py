@@ -49,6 +49,14 @@ def wired_mode(weight: Any, trainer: str | None = None) -> str | None:
     """The mode of the wired head whose weight ``weight`` is at this moment (None: no wired
     head's, and the stack's own fused kernel runs). ``trainer`` limits the search to one
     trainer's heads."""
+    found = wired_head(weight, trainer)
+    return None if found is None else found[1]
+
+
+def wired_head(weight: Any, trainer: str | None = None) -> tuple[Any, str] | None:
+    """``(module, mode)`` of the wired head whose weight ``weight`` is at this moment, or None:
+    the HF head itself, or the Megatron module that owns the output layer (whose flags, such as
+    ``output_layer.gradient_accumulation_fusion``, a fused path follows)."""
     with _LOCK:
         wired = list(_WIRED)
     for ref, kind in wired:
@@ -56,7 +64,8 @@ def wired_mode(weight: Any, trainer: str | None = None) -> str | None:
         if module is None or (trainer is not None and kind != trainer):
             continue
         if _current_weight(module, kind) is weight:
-            return _mode(module, kind)
+            mode = _mode(module, kind)
+            return None if mode is None else (module, mode)
     return None
 
 

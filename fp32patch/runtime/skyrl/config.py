@@ -8,7 +8,8 @@ trainer mode ("fp32out", recommended; ``modes.TRAINER_MODES``). It turns on, tog
 - the trainer's head for the policy and the reference model: FSDP's ``HFModelWrapper`` gets its
   log-probs and entropy from fp32patch's chunked piece inside the head's own call (no [B, T, V]
   logits) and full fp32 logits where a caller needs them (sample-support replay); Megatron's output
-  layer gives fp32 logits at fp32out's cost, which SkyRL's log-prob collection then reads;
+  layer gives fp32 logits at fp32out's cost, which SkyRL's log-prob collection then reads, and its
+  fused LM-head path computes the same in tiles (no [B, T, V] logits);
 - vLLM's own ``head_dtype`` float32 in every server SkyRL starts (``engine_init_kwargs``'
   ``hf_overrides``, vLLM 0.26+), then every server's workers are probed before the first rollout.
 
@@ -16,9 +17,10 @@ trainer mode ("fp32out", recommended; ``modes.TRAINER_MODES``). It turns on, tog
 ``Fp32LmHeadConfigError`` unless
 
 - the trainer is one fp32patch wires (``trainer.strategy`` fsdp, fsdp2 or megatron), in bf16
-  (``trainer.bf16``, FSDP's ``mixed_precision.param_dtype``), without a LoRA adapter on the head,
-  and not through SkyRL's fused Megatron LM-head path (``trainer.fused_lm_head_logprob``: its
-  chunks are bf16 GEMM outputs, which the switch would silently keep);
+  (``trainer.bf16``, FSDP's ``mixed_precision.param_dtype``), without a LoRA adapter on the head;
+  SkyRL's fused Megatron LM-head path (``trainer.fused_lm_head_logprob``) is computed by
+  fp32patch's chunked piece (``megatron``), but not beside sample-support replay, whose scores
+  read the head's weight by their own bf16 route;
 - vLLM serves the rollouts in bf16 (``generator.inference_engine.model_dtype``) and can be
   probed: SkyRL's own servers or ``external_server_urls`` (an ``external_proxy_url`` alone hides
   the servers' workers); a vLLM that has ``head_dtype`` (0.26+; SkyRL 0.4.0 pins 0.30.0);
@@ -159,12 +161,18 @@ def _refuse_unwired_trainer(trainer: Mapping[str, Any], strategy: str, mode: str
             f"{targets!r}): the adapter adds a term fp32patch's head would drop. Keep lm_head out of the "
             f"targets, or turn {KEY} off"
         )
-    if strategy == "megatron" and trainer.get("fused_lm_head_logprob"):
+    algorithm = section(trainer, "algorithm", "trainer.")
+    if (
+        strategy == "megatron"
+        and trainer.get("fused_lm_head_logprob")
+        and algorithm.get("enable_sample_support_replay")
+    ):
         raise Fp32LmHeadConfigError(
-            f"{KEY} is {mode!r} with trainer.fused_lm_head_logprob=true: SkyRL's fused LM-head log-probs take "
-            "each chunk's logits from a bf16 GEMM output (then upcast), which the switch would leave bf16. Set "
-            "trainer.fused_lm_head_logprob=false: the Megatron output layer then gives fp32 logits (fp32out), "
-            "which SkyRL's own log-prob collection reads"
+            f"{KEY} is {mode!r} with trainer.fused_lm_head_logprob=true and "
+            "trainer.algorithm.enable_sample_support_replay=true: SkyRL's sample-support scores then compute "
+            "their own bf16 logits from the head's weight, beside fp32patch's fused log-probs. Set "
+            "trainer.fused_lm_head_logprob=false (the output layer then gives the scores fp32 logits), or turn "
+            f"{KEY} off"
         )
 
 

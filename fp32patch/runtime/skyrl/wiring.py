@@ -5,7 +5,7 @@
 trainer="hf")``), and the mark that routes its log-probs through ``fused.ChunkedCall``.
 ``wire_megatron``: a ``MegatronModelWrapper``'s model chunks (policy or reference), whose output
 layer then gives fp32 logits in the mode (``heads.megatron``, fp32out's cost), read by SkyRL's own
-log-prob collection. ``engine_args``: the vLLM server arguments ``build_vllm_cli_args`` returns get
+log-prob collection; its fused LM-head path finds the wired head by its weight (``megatron``). ``engine_args``: the vLLM server arguments ``build_vllm_cli_args`` returns get
 vLLM's own ``head_dtype`` float32 (``kit.rollout.head_dtype_overrides``).
 """
 
@@ -37,17 +37,20 @@ def wire_hf(wrapper: Any, cfg: Any, *, role: str) -> Any:
 
 def wire_megatron(wrapper: Any) -> Any:
     """Give a ``MegatronModelWrapper``'s chunks (``wrapper.actor_module``) fp32 logits in the
-    switch's mode. SkyRL's fused LM-head path never calls the output layer: it is refused."""
+    switch's mode. SkyRL's fused LM-head path (``trainer.fused_lm_head_logprob``), which never
+    calls the output layer, then finds the wired head by its weight (``megatron``)."""
     role = "policy" if getattr(wrapper, "actor_optimizer", None) is not None else "Megatron model"
     mode = _mode(wrapper.cfg, role)
     if mode is None:
         return wrapper
-    if getattr(wrapper, "_fused_lm_head", False):
-        raise Fp32LmHeadConfigError(
-            f"fp32patch ({role}): {KEY} is {mode!r} with trainer.fused_lm_head_logprob=true, whose chunks are bf16 "
-            "GEMM outputs; set trainer.fused_lm_head_logprob=false"
-        )
     STACK.wire(wrapper.actor_module, mode, trainer="megatron", role=role)
+    if getattr(wrapper, "_fused_lm_head", False):
+        STACK.logger.info(
+            "fp32patch: the %s's fused LM-head log-probs (trainer.fused_lm_head_logprob) are computed in tiles "
+            "from its fp32 head (mode %r), without the [B, T, V] logits",
+            role,
+            mode,
+        )
     return wrapper
 
 

@@ -49,10 +49,11 @@ ENTROPY_COEF = 0.01
 MAX_LEN = 32
 
 
-def run(name: str, switch: str | None = None, *, chunk: int | None = None) -> dict:
+def run(name: str, switch: str | None = None, *, chunk: int | None = None, fused: bool = False) -> dict:
     """One run: ``switch`` is trainer.fp32_lm_head (None: not set), ``chunk`` SkyRL's
-    ``logprobs_chunk_size`` (None: its default)."""
-    return {"name": name, "switch": switch, "chunk": chunk}
+    ``logprobs_chunk_size`` (None: its default), ``fused`` its ``fused_lm_head_logprob`` (whose
+    entropy is a metric only: SkyRL refuses an entropy loss there, so the run has none)."""
+    return {"name": name, "switch": switch, "chunk": chunk, "fused": fused}
 
 
 def worker(rank: int, world: int, init_method: str, job: dict) -> None:
@@ -221,7 +222,8 @@ def trainer_config(spec: dict):
     cfg = TrainerConfig()
     cfg.strategy = "megatron"
     cfg.remove_microbatch_padding = True
-    cfg.algorithm.use_entropy_loss = True
+    cfg.fused_lm_head_logprob = spec["fused"]
+    cfg.algorithm.use_entropy_loss = not spec["fused"]
     cfg.algorithm.entropy_loss_coef = ENTROPY_COEF
     cfg.algorithm.use_kl_loss = False
     if spec["chunk"] is not None:
@@ -297,8 +299,8 @@ def spy(fn, captured: dict):
 def reference(record: dict, world: int, cfg) -> dict[str, torch.Tensor]:
     """float64 from the very operands the head met (the decoder's output and the output weight):
     the action log-probs, their masked entropy, and the output weight's gradient of the step's
-    loss, SkyRL's own policy loss (``cfg.algorithm``'s) less the entropy bonus, as its
-    ``loss_func`` composes them for one micro-batch on one data-parallel rank."""
+    loss, SkyRL's own policy loss (``cfg.algorithm``'s) less the entropy bonus where the run has
+    one, as its ``loss_func`` composes them for one micro-batch on one data-parallel rank."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
     hidden = record["hidden"][:, 0].double()  # [t, h]
@@ -321,5 +323,6 @@ def reference(record: dict, world: int, cfg) -> dict[str, torch.Tensor]:
         logp, batch["old_action_log_probs"].double(), batch["advantages"].double(), config=cfg.algorithm,
         loss_mask=mask, rollout_logprobs=None,
     )  # fmt: skip
-    (weight_grad,) = torch.autograd.grad(policy_loss - ENTROPY_COEF * entropy_mean, weight)
+    loss = policy_loss - ENTROPY_COEF * entropy_mean if cfg.algorithm.use_entropy_loss else policy_loss
+    (weight_grad,) = torch.autograd.grad(loss, weight)
     return {"log_probs": logp.detach() * mask, "entropy": entropy_mean.detach(), "weight_grad": weight_grad}

@@ -13,7 +13,11 @@ entropy with its own vocab-parallel code, its PPO loss with an entropy bonus, ba
   log-probs (of both calls) and the entropy are within fp32 rounding of float64's from the very
   operands, the output weight's gradient within fp32out's grade (5e-4 of its largest entry), where
   stock's log-probs are bf16-rounded and its weight gradient five times and more further off;
-  SkyRL's ``logprobs_chunk_size`` changes nothing.
+  SkyRL's ``logprobs_chunk_size`` changes nothing;
+- the same with SkyRL's fused LM-head path (``trainer.fused_lm_head_logprob``, which never calls the
+  output layer and divides the bf16 weight by the temperature): off, stock's bit for bit; on,
+  fp32patch's chunked piece computes its log-probs and entropy at the same grade, the temperature
+  dividing fp32 logits.
 """
 
 from __future__ import annotations
@@ -35,7 +39,14 @@ REPO = HERE.parents[2]
 WRAPPER = "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py"
 FP32_BOUND = 2e-5  # |Δ| against float64: fp32 rounding of the logits over 128 entries
 BF16_FLOOR = 1e-4  # the stock step's bf16 logits miss float64 by at least this much somewhere
-ON = [run("off"), run("on", "fp32out"), run("on-chunked", "fp32out", chunk=2)]
+STOCK = [run("off"), run("fused", fused=True)]
+ON = [
+    run("off"),
+    run("on", "fp32out"),
+    run("on-chunked", "fp32out", chunk=2),
+    run("fused", fused=True),
+    run("fused-on", "fp32out", fused=True),
+]
 
 
 def _job(tmp_path_factory, root: Path | None, world: int, runs: list) -> dict:
@@ -63,7 +74,7 @@ def runs(request, tmp_path_factory, patched_root) -> dict:
     world = request.param
     return {
         "world": world,
-        "stock": _job(tmp_path_factory, None, world, [run("off")]),
+        "stock": _job(tmp_path_factory, None, world, STOCK),
         "patched": _job(tmp_path_factory, patched_root, world, ON),
     }
 
@@ -88,8 +99,9 @@ def test_runs_use_the_trees_they_name(runs, patched_root):
     assert WRAPPER and "fp32patch" in (patched_root / WRAPPER).read_text()
 
 
-def test_off_is_stock_bit_for_bit_and_never_imports_fp32patch(runs):
-    stock, off = _ok(runs["stock"], "off"), _ok(runs["patched"], "off")
+@pytest.mark.parametrize("name", ["off", "fused"])
+def test_off_is_stock_bit_for_bit_and_never_imports_fp32patch(runs, name):
+    stock, off = _ok(runs["stock"], name), _ok(runs["patched"], name)
     assert runs["stock"]["modules"] == []
     assert (stock["mode"], off["mode"]) == (None, None)
     for key in ("log_probs", "old_log_probs", "hidden", "weight_grad"):
@@ -100,12 +112,12 @@ def test_off_is_stock_bit_for_bit_and_never_imports_fp32patch(runs):
         assert torch.equal(grad, off["grads"][name]), name
 
 
-@pytest.mark.parametrize("name", ["on", "on-chunked"])
+@pytest.mark.parametrize("name", ["on", "on-chunked", "fused-on"])
 def test_the_field_gives_an_fp32_step(runs, name):
     record = _ok(runs["patched"], name)
     assert record["mode"] == "fp32out"
     assert record["log_probs_dtype"] == "torch.float32"
-    want = reference(record, runs["world"], trainer_config(run("off")))  # the loss settings: the same
+    want = reference(record, runs["world"], trainer_config(run("loss", fused=name.startswith("fused"))))
     assert _error(record["log_probs"], want["log_probs"]) < FP32_BOUND
     assert _error(record["old_log_probs"], want["log_probs"]) < FP32_BOUND  # forward-only: the same head
     assert _error(record["metrics"][0]["policy_entropy"], want["entropy"]) < FP32_BOUND
@@ -113,18 +125,28 @@ def test_the_field_gives_an_fp32_step(runs, name):
     assert _relative(record["weight_grad"], want["weight_grad"]) < 5e-4
 
 
-def test_the_stock_step_is_bf16_rounded(runs):
-    stock, wired = _ok(runs["stock"], "off"), _ok(runs["patched"], "on")
+@pytest.mark.parametrize(("stock_run", "wired_run"), [("off", "on"), ("fused", "fused-on")])
+def test_the_stock_step_is_bf16_rounded(runs, stock_run, wired_run):
+    stock, wired = _ok(runs["stock"], stock_run), _ok(runs["patched"], wired_run)
     assert torch.equal(stock["hidden"], wired["hidden"])  # the same operands reach the head
-    cfg = trainer_config(run("off"))
+    cfg = trainer_config(run("loss", fused=stock_run == "fused"))
     stock_want, wired_want = reference(stock, runs["world"], cfg), reference(wired, runs["world"], cfg)
     stock_error = _error(stock["log_probs"], stock_want["log_probs"])
     assert stock_error > BF16_FLOOR
     assert stock_error > 10 * _error(wired["log_probs"], wired_want["log_probs"])
-    # the weight gradient: stock's comes from bf16 logits and lands in bf16 (.grad), five times
-    # and more fp32out's error
+    # the weight gradient: stock's comes from bf16 logits (and, fused, the bf16 W / T) and lands in
+    # bf16 (.grad), five times and more fp32out's error
     stock_grad = _relative(stock["weight_grad"], stock_want["weight_grad"])
     assert stock_grad > 5 * _relative(wired["weight_grad"], wired_want["weight_grad"])
+
+
+def test_the_fused_path_computes_what_the_output_layer_does(runs):
+    """SkyRL's fused LM-head path under the field: no output layer call, the same fp32-grade
+    log-probs as the wired output layer's logits give (both within fp32 rounding of float64)."""
+    layer, fused = _ok(runs["patched"], "on"), _ok(runs["patched"], "fused-on")
+    assert torch.equal(layer["hidden"], fused["hidden"])
+    assert _error(fused["log_probs"], layer["log_probs"].double()) < 2 * FP32_BOUND
+    assert _error(fused["old_log_probs"], layer["old_log_probs"].double()) < 2 * FP32_BOUND
 
 
 def test_chunked_log_probs_equal_the_whole_ones(runs):
