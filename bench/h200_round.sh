@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU measurements issues 44-46 still wait for, in one device call of at most 600 s
+# (the device is lent rarely and briefly: every part has its own time limit, writes its JSON
+# as it goes, and a part that runs out of time leaves what it measured).
+#
+#   bash bench/h200_round.sh            # on the device machine, in the repository root; $OUT: where results go
+#
+# 1. the CUDA tests (tests/gpu), stopping at nothing (-x would hide the tests after a failure);
+# 2. the log-prob head alone per tile with the one-tile kept logits (bench/step.py --head), then
+#    the rule and KEEP_LOGITS_BYTES that sweep asks for (--rule);
+# 3. the whole step at short context, stock against fp32patch and the stacks' fused paths, with
+#    the device's busy time per step beside the wall time (a 0.5B or 1.5B step at 1-4k tokens is
+#    host-bound);
+# 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py).
+set -u
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+python - <<'EOF' | tee "$OUT/machine.txt"
+import torch, platform
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+EOF
+part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit)" | tee -a "$OUT/parts.txt"
+    tail -n 25 "$OUT/$name.log"
+}
+part gpu-tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
+part head 200 python bench/step.py --head --out "$OUT/step-head-h200.json"
+part rule 20 python bench/step.py --rule "$OUT/step-head-h200.json"
+part step 170 python bench/step.py --models 0.5B-tied 1.5B-untied --tokens 1024 2048 4096 \
+    --ways stock fp32patch verl-fused fp32patch-trl trl-chunked --out "$OUT/step-grid-h200.json"
+part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-h200.json"
