@@ -326,6 +326,7 @@ def test_training_step_on_a_packed_batch(tied):
         ({"chunk_vocab": 2.5}, ValueError, "chunk_vocab must be an int >= 1"),
         ({"sequence_parallel": True}, ValueError, "sequence_parallel needs the tp_group"),
         ({"vocab_start": -1}, ValueError, "vocab_start must be an int >= 0"),
+        ({"reduce_input_grad": 0}, TypeError, "reduce_input_grad must be True or False"),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(kwargs, error, says):
@@ -379,6 +380,13 @@ def _tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
             results[name] = _run_case(x, shard, targets, g, ge, kwargs, dist.group.WORLD)
             local = x.chunk(world)[rank]  # sequence parallel: this rank's tokens
             results[name + "/sp"] = _run_case(local, shard, targets, g, ge, kwargs, dist.group.WORLD, True)
+            # the input gradient left to the caller's region to sum (SkyRL's fused path)
+            part = _run_case(x, shard, targets, g, ge, {**kwargs, "reduce_input_grad": False}, dist.group.WORLD)
+            dist.all_reduce(part["dx"])  # what Megatron's copy_to_tensor_model_parallel_region does
+            results[name + "/caller-sums"] = part
+        with pytest.raises(ValueError, match="reduce_input_grad=False keeps each rank's vocabulary part"):
+            chunked_logprobs(x.chunk(world)[rank], shard, targets, tp_group=dist.group.WORLD,
+                             sequence_parallel=True, reduce_input_grad=False)  # fmt: skip
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -393,7 +401,7 @@ def test_tp2_over_gloo_equals_tp1():
     x, w, targets, g, ge = problem(13, t=64)
     for name, kwargs in CASES.items():
         one = _run_case(x, w, targets, g, ge, kwargs)
-        for variant in (name, name + "/sp"):
+        for variant in (name, name + "/sp", name + "/caller-sums"):
             got = [r[variant] for r in ranks]
             for part in got:  # every rank has every token's log-prob (and entropy)
                 assert (part["lp"] - one["lp"]).abs().max() < 4e-6, variant

@@ -110,6 +110,7 @@ class _Plan:
     chunk_vocab: int
     softcap: float | None = None
     keep: bool = False  # the forward's fp32 logits are saved for the backward
+    reduce_input_grad: bool = True  # the input gradient summed over the group here (else by the caller)
 
 
 def chunked_logprobs(
@@ -128,6 +129,7 @@ def chunked_logprobs(
     chunk_rows: int | None = None,
     chunk_vocab: int | None = None,
     keep_logits: bool | None = None,
+    reduce_input_grad: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature)[target] per token, in fp32, differentiable.
 
@@ -153,6 +155,11 @@ def chunked_logprobs(
     shape). ``keep_logits``: save the forward's fp32 logits for the backward instead of computing
     them again (None: ``keeps_logits``' choice for the shape, never when a tile is given; True
     holds 4 bytes per logit of this rank's shard until the head's backward has run).
+    ``reduce_input_grad=False``: under ``tp_group`` without sequence parallelism, the input
+    gradient is this rank's vocabulary part only, for a caller whose own autograd region sums it
+    over the group (Megatron's ``copy_to_tensor_model_parallel_region`` before the head, as
+    SkyRL's fused path hands the hidden states over); summing it here too would count it once per
+    rank.
 
     A ``hidden`` of another dtype than the weight (fp32 hidden states from FSDP2's
     ``output_dtype``) is cast to the weight's dtype inside the graph, as the fp32 head does.
@@ -163,7 +170,7 @@ def chunked_logprobs(
         temperature = 1.0
     plan = _plan(
         hidden, weight, targets, mode, temperature, entropy, tp_group, vocab_start, sequence_parallel,
-        fuse_wgrad, chunk_rows, chunk_vocab, softcap, keep_logits,
+        fuse_wgrad, chunk_rows, chunk_vocab, softcap, keep_logits, reduce_input_grad,
     )  # fmt: skip
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
@@ -198,7 +205,7 @@ def _row_temperatures(temperature: torch.Tensor, targets: torch.Tensor) -> torch
 
 def _plan(
     hidden, weight, targets, mode, temperature, entropy, group, vocab_start, sequence_parallel, fuse_wgrad,
-    chunk_rows, chunk_vocab, softcap=None, keep_logits=None,
+    chunk_rows, chunk_vocab, softcap=None, keep_logits=None, reduce_input_grad=True,
 ) -> _Plan:  # fmt: skip
     """Check the call's arguments (a clear error naming the argument, before any work)."""
     import torch
@@ -231,6 +238,13 @@ def _plan(
     world, rank = _world_and_rank(group)
     if sequence_parallel and group is None:
         raise ValueError("chunked_logprobs: sequence_parallel needs the tp_group whose ranks hold the sequence")
+    if not isinstance(reduce_input_grad, bool):
+        raise TypeError(f"chunked_logprobs: reduce_input_grad must be True or False, not {reduce_input_grad!r}")
+    if sequence_parallel and not reduce_input_grad:
+        raise ValueError(
+            "chunked_logprobs: reduce_input_grad=False keeps each rank's vocabulary part of the input gradient, "
+            "which sequence_parallel's reduce-scatter needs: give one or the other"
+        )
     expected = tuple(hidden.shape[:-1])
     if sequence_parallel:
         expected = (hidden.shape[0] * world, *expected[1:]) if expected else expected
@@ -266,7 +280,7 @@ def _plan(
         tiles = [max(1, math.prod(targets.shape)), max(1, weight.shape[0])]
     return _Plan(
         mode, float(temperature), bool(entropy), group, vocab_start, bool(sequence_parallel), bool(fuse_wgrad), *tiles,
-        None if softcap is None else float(softcap), keep,
+        None if softcap is None else float(softcap), keep, reduce_input_grad,
     )  # fmt: skip
 
 
@@ -885,7 +899,7 @@ def _sum_input_grad(dx: torch.Tensor, plan: _Plan) -> torch.Tensor:
     import torch.distributed as dist
 
     world, rank = _world_and_rank(plan.group)
-    if world == 1:
+    if world == 1 or not plan.reduce_input_grad:
         return dx
     if plan.sequence_parallel and dist.get_backend(plan.group) != "gloo":
         out = dx.new_empty((dx.shape[0] // world, *dx.shape[1:]))

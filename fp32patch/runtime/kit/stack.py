@@ -33,6 +33,7 @@ class Stack:
     logger_name: str
     key: str
     verdicts: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    told: set[Any] = field(default_factory=set, compare=False, repr=False)
 
     @property
     def logger(self) -> logging.Logger:
@@ -50,6 +51,14 @@ class Stack:
             self.logger.warning("fp32patch (%s): %s", where, note)
         self.verdicts[where] = settings
         return settings
+
+    def tell_once(self, key: Any, message: str, *args: Any) -> None:
+        """Log ``message % args`` at INFO the first time this process tells ``key`` (a fused
+        path's line, said on its first call rather than on every micro-batch)."""
+        if key in self.told:
+            return
+        self.told.add(key)
+        self.logger.info(message, *args)
 
     def verdict(self, where: str) -> Any:
         """What ``guard(..., where=where)`` last returned in this process, if it ran here."""

@@ -27,7 +27,6 @@ a tied head reads the shared embedding (``shared_embedding_or_output_weight``); 
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
@@ -40,7 +39,6 @@ UPSTREAM_HEAD_MODE = "fp32out-bf16grad"
 TEMPERATURE_MARK = "_fp32patch_temperature"
 
 _pending = threading.local()
-_told: set[str] = set()
 
 
 def fused_temperature(sampling_params: Any) -> None:
@@ -107,7 +105,15 @@ def fused_logprobs(model: Any, hidden_states: Any, labels: Any) -> Any:
         sequence_parallel=sequence_parallel,
         fuse_wgrad=bool(getattr(model.output_layer, "gradient_accumulation_fusion", False)),
     )
-    _tell_once(mode, world, sequence_parallel)
+    STACK.tell_once(
+        ("fused", mode, world, sequence_parallel),
+        "fp32patch: NeMo-RL's fused log-prob path (use_fused_linear_logprobs) computes fp32 logits per tile "
+        "in mode %r (tensor parallel size %d%s), the temperature applied to them in fp32; "
+        "fused_linear_logprobs_chunk_size does not apply (the tile is chunked_logprobs' measured default)",
+        mode,
+        world,
+        ", sequence parallel" if sequence_parallel else "",
+    )
     out = log_probs.t().contiguous()[:, :-1]  # [b, s - 1], as NeMo-RL's fused path returns them
     setattr(out, TEMPERATURE_MARK, temperature)
     return out
@@ -140,19 +146,3 @@ def _tensor_parallel_group(model: Any) -> tuple[Any, int]:
 
         group = parallel_state.get_tensor_model_parallel_group()
     return group, dist.get_world_size(group)
-
-
-def _tell_once(mode: str, world: int, sequence_parallel: bool) -> None:
-    key = f"{mode}/{world}/{sequence_parallel}"
-    if key in _told:
-        return
-    _told.add(key)
-    STACK.logger.log(
-        logging.INFO,
-        "fp32patch: NeMo-RL's fused log-prob path (use_fused_linear_logprobs) computes fp32 logits per tile "
-        "in mode %r (tensor parallel size %d%s), the temperature applied to them in fp32; "
-        "fused_linear_logprobs_chunk_size does not apply (the tile is chunked_logprobs' measured default)",
-        mode,
-        world,
-        ", sequence parallel" if sequence_parallel else "",
-    )

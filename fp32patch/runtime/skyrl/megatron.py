@@ -23,14 +23,12 @@ itself (``BASE``), so that the log-prob call below divides the fp32 logits inste
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 from fp32patch.runtime.skyrl.config import KEY, STACK
 
 TEMPERATURE = "_fp32patch_temperature"
 BASE = "_fp32patch_base"
-_told: set[str] = set()
 
 
 def fused_mode(weight: Any) -> str | None:
@@ -76,8 +74,21 @@ def fused_logprobs(
             tp_group=group if world > 1 else None,
             vocab_start=vocab_start if world > 1 else None,
             fuse_wgrad=bool(getattr(owner.output_layer, "gradient_accumulation_fusion", False)),
+            # Megatron's output_processor handed the hidden states through a tensor-parallel region
+            # (copy_to_..., or gather_from_sequence_parallel_region) whose backward sums their
+            # gradient over the group: each rank gives its vocabulary part
+            reduce_input_grad=False,
         )
-    _tell_once(mode, world)
+    STACK.tell_once(
+        ("fused", mode, world),
+        "fp32patch: SkyRL's fused LM-head log-probs (trainer.fused_lm_head_logprob, %s) compute fp32 logits per "
+        "tile in mode %r (tensor parallel size %d), the temperature applied to them in fp32; "
+        "trainer.logprobs_chunk_size and fused_lm_head_logprob_backend do not apply (the tile is "
+        "chunked_logprobs' measured default)",
+        KEY,
+        mode,
+        world,
+    )
     return log_probs
 
 
@@ -121,20 +132,3 @@ def _group(tp_group: Any) -> tuple[Any, int]:
     if tp_group is None or not (dist.is_available() and dist.is_initialized()):
         return None, 1
     return tp_group, dist.get_world_size(tp_group)
-
-
-def _tell_once(mode: str, world: int) -> None:
-    key = f"{mode}/{world}"
-    if key in _told:
-        return
-    _told.add(key)
-    STACK.logger.log(
-        logging.INFO,
-        "fp32patch: SkyRL's fused LM-head log-probs (trainer.fused_lm_head_logprob, %s) compute fp32 logits per "
-        "tile in mode %r (tensor parallel size %d), the temperature applied to them in fp32; "
-        "trainer.logprobs_chunk_size and fused_lm_head_logprob_backend do not apply (the tile is "
-        "chunked_logprobs' measured default)",
-        KEY,
-        mode,
-        world,
-    )

@@ -30,8 +30,6 @@ from typing import Any
 from fp32patch.runtime.kit.fused import wired_mode
 from fp32patch.runtime.verl.config import KEY, STACK
 
-_told: set[tuple[str, str]] = set()
-
 
 def fused_logprobs(
     hidden: Any,
@@ -70,18 +68,12 @@ def fused_logprobs(
     log_probs, entropy = chunked_logprobs(
         hidden, weight, targets.long(), mode=mode, temperature=float(temperature), entropy=True
     )
-    _tell_once(backend, mode)
-    return log_probs, entropy
-
-
-def _tell_once(backend: str, mode: str) -> None:
-    if (backend, mode) in _told:
-        return
-    _told.add((backend, mode))
-    STACK.logger.info(
+    STACK.tell_once(
+        ("fused", backend, mode),
         "fp32patch: verl's fused kernels (%s backend) compute the log-probs and the entropy through "
         "fp32patch's chunked fp32 log-probs in mode %r (%s), the temperature applied to the fp32 logits",
         backend,
         mode,
         KEY,
     )
+    return log_probs, entropy

@@ -16,6 +16,7 @@ Two things Megatron cannot do on a CPU-only torch, and what stands in for them:
 from __future__ import annotations
 
 import os
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,19 @@ def init_parallel(rank: int, world: int, init_method: str) -> None:
     use_cpu_for_cuda_buffers()
     init_gloo(rank, world, init_method)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+
+
+def recorded(run: Callable[..., dict], *args: object) -> dict:
+    """``run(*args)``'s record with ``ok``, or what it raised (the error and the traceback's end,
+    for the test to show): a spawned rank saves every run's outcome and goes on to the next."""
+    try:
+        return {"ok": True, **run(*args)}
+    except Exception as exc:
+        return {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}"[:3000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
 
 
 def close_parallel() -> None:

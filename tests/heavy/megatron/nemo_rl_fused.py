@@ -26,12 +26,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import traceback
 from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from megatron_harness import S, V, close_parallel, config, emulate_ddp, gpt_model, init_parallel
+from megatron_harness import S, V, close_parallel, config, emulate_ddp, gpt_model, init_parallel, recorded
 
 TEMPERATURE = 0.7
 PACKED_LENGTHS = (3, 2, 3)  # three sequences in one row of S tokens
@@ -51,23 +50,11 @@ def worker(rank: int, world: int, init_method: str, job: dict) -> None:
         with no_rng_fork():
             for phase in job["phases"]:
                 for spec in phase:
-                    results["runs"][spec["name"]] = recorded(rank, world, spec)
+                    results["runs"][spec["name"]] = recorded(one_run, rank, world, spec)
                 results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
         torch.save(results, os.path.join(job["out"], f"rank{rank}.pt"))
     finally:
         close_parallel()
-
-
-def recorded(rank: int, world: int, spec: dict) -> dict:
-    """``one_run``'s record, or what it raised (for the test to show)."""
-    try:
-        return {"ok": True, **one_run(rank, world, spec)}
-    except Exception as exc:
-        return {
-            "ok": False,
-            "error": f"{type(exc).__name__}: {exc}"[:3000],
-            "traceback": traceback.format_exc()[-4000:],
-        }
 
 
 @contextlib.contextmanager

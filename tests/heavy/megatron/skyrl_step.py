@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from types import ModuleType
 
 import torch
-from megatron_harness import V, close_parallel, config, emulate_ddp, init_parallel
+from megatron_harness import V, close_parallel, config, emulate_ddp, init_parallel, recorded
 from nemo_rl_fused import _gather, no_rng_fork
 
 TEMPERATURE = 0.7
@@ -70,7 +69,7 @@ def worker(rank: int, world: int, init_method: str, job: dict) -> None:
     try:
         with no_rng_fork():
             for spec in job["runs"]:
-                results["runs"][spec["name"]] = recorded(rank, world, spec)
+                results["runs"][spec["name"]] = recorded(one_run, rank, world, spec)
         results["modules"] = sorted(m for m in sys.modules if m.startswith("fp32patch"))
         import skyrl
 
@@ -78,17 +77,6 @@ def worker(rank: int, world: int, init_method: str, job: dict) -> None:
         torch.save(results, os.path.join(job["out"], f"rank{rank}.pt"))
     finally:
         close_parallel()
-
-
-def recorded(rank: int, world: int, spec: dict) -> dict:
-    try:
-        return {"ok": True, **one_run(rank, world, spec)}
-    except Exception as exc:
-        return {
-            "ok": False,
-            "error": f"{type(exc).__name__}: {exc}"[:3000],
-            "traceback": traceback.format_exc()[-4000:],
-        }
 
 
 def install_megatron_bridge() -> None:

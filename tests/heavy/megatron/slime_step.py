@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from types import ModuleType
 
 import torch
-from megatron_harness import S, V, close_parallel, config, emulate_ddp, init_parallel
+from megatron_harness import S, V, close_parallel, config, emulate_ddp, init_parallel, recorded
 from nemo_rl_fused import PACKED_LENGTHS, _gather, no_rng_fork, packed_microbatch
 
 TEMPERATURE = 0.7
@@ -63,22 +62,11 @@ def worker(rank: int, world: int, init_method: str, job: dict) -> None:
         with no_rng_fork():
             for phase in job["phases"]:
                 for spec in phase:
-                    results["runs"][spec["name"]] = recorded(spec)
+                    results["runs"][spec["name"]] = recorded(one_run, spec)
                 results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
         torch.save(results, os.path.join(job["out"], f"rank{rank}.pt"))
     finally:
         close_parallel()
-
-
-def recorded(spec: dict) -> dict:
-    try:
-        return {"ok": True, **one_run(spec)}
-    except Exception as exc:
-        return {
-            "ok": False,
-            "error": f"{type(exc).__name__}: {exc}"[:3000],
-            "traceback": traceback.format_exc()[-4000:],
-        }
 
 
 def install_megatron_training() -> None:

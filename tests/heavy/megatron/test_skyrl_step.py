@@ -149,6 +149,23 @@ def test_the_fused_path_computes_what_the_output_layer_does(runs):
     assert _error(fused["old_log_probs"], layer["old_log_probs"].double()) < 2 * FP32_BOUND
 
 
+@pytest.mark.parametrize(("name", "base"), [("on", "off"), ("fused-on", "fused"), ("fused-on", "on")])
+def test_every_gradient_below_the_head_agrees(runs, name, base):
+    """The decoder's and the embedding's gradients: the wired step's against stock's (they differ
+    by the head's rounding only) and the fused path's against the output layer's. Under tensor
+    parallelism the hidden states' gradient is summed over the ranks once, by Megatron's region
+    before the head (a second sum in the head would double it)."""
+    record = _ok(runs["patched"], name)
+    other = _ok(runs["stock" if base in ("off", "fused") else "patched"], base)
+    for param, grad in record["grads"].items():
+        if param == "output_layer.weight":
+            continue
+        want = other["grads"][param].double()
+        scale = want.abs().max().item()
+        assert scale > 0, param
+        assert _error(grad, want) / scale < 0.05, (param, _error(grad, want) / scale)
+
+
 def test_chunked_log_probs_equal_the_whole_ones(runs):
     whole, chunked = _ok(runs["patched"], "on"), _ok(runs["patched"], "on-chunked")
     assert _error(chunked["log_probs"], whole["log_probs"].double()) < 1e-6
