@@ -9,8 +9,8 @@ its policy loss from ``PolicyLossRegistry``), then
 - ``forward_backward_mini_batch`` (one training step's forward and backward through Megatron's
   schedule and SkyRL's ``loss_func``: the PPO loss with an entropy term),
 
-over one micro-batch of three samples (prompts left-padded, responses right-padded) that SkyRL
-packs into one row (``remove_microbatch_padding``, its default: ``preprocess_packed_seqs``, thd
+over one micro-batch of three samples in SkyRL's layout (each a left-padded block, prompt then
+response; the response-level tensors right-aligned) that SkyRL packs into one row (``remove_microbatch_padding``, its default: ``preprocess_packed_seqs``, thd
 ``PackedSeqParams``), its logits divided by the temperature in place, log-probs and entropy from
 SkyRL's own vocab-parallel code. Under tensor parallelism each rank holds its vocabulary shard.
 
@@ -41,9 +41,13 @@ from megatron_harness import V, close_parallel, config, emulate_ddp, init_parall
 from nemo_rl_fused import _gather, no_rng_fork
 
 TEMPERATURE = 0.7
-PROMPTS = (3, 2, 4)  # each sample's prompt tokens (left-padded to PROMPT)
-RESPONSES = (3, 4, 2)  # each sample's response tokens (right-padded to RESPONSE)
-PROMPT, RESPONSE = max(PROMPTS), max(RESPONSES)
+# SkyRL's layout (convert_prompts_responses_to_batch_tensors): each sample one left-padded block,
+# prompt then response, so every row ends with its response's last token; the response-level
+# tensors ([B, RESPONSE]) are right-aligned the same way
+PROMPTS = (3, 2, 5)  # each sample's prompt tokens
+RESPONSES = (3, 4, 2)  # each sample's response tokens
+LENGTH = max(p + r for p, r in zip(PROMPTS, RESPONSES, strict=True))
+RESPONSE = max(RESPONSES)
 ENTROPY_COEF = 0.01
 MAX_LEN = 32
 
@@ -172,13 +176,13 @@ def micro_batch() -> dict:
     rows, masks, loss_masks = [], [], []
     for prompt, response in zip(PROMPTS, RESPONSES, strict=True):
         ids = torch.randint(1, V, (prompt + response,), generator=gen)
-        row = torch.zeros(PROMPT + RESPONSE, dtype=torch.long)
-        mask = torch.zeros(PROMPT + RESPONSE, dtype=torch.long)
-        row[PROMPT - prompt : PROMPT + response] = ids
-        mask[PROMPT - prompt : PROMPT + response] = 1
+        row = torch.zeros(LENGTH, dtype=torch.long)
+        mask = torch.zeros(LENGTH, dtype=torch.long)
+        row[LENGTH - prompt - response :] = ids
+        mask[LENGTH - prompt - response :] = 1
         rows.append(row)
         masks.append(mask)
-        loss_masks.append((torch.arange(RESPONSE) < response).float())
+        loss_masks.append((torch.arange(RESPONSE) >= RESPONSE - response).float())
     sequences, attention_mask = torch.stack(rows), torch.stack(masks)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     loss_mask = torch.stack(loss_masks)
@@ -300,10 +304,14 @@ def reference(record: dict, world: int, cfg) -> dict[str, torch.Tensor]:
     logp = torch.zeros(len(PROMPTS), RESPONSE, dtype=torch.float64)
     entropy = torch.zeros_like(logp)
     for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-        for k in range(response):
-            position = int(starts[i]) + prompt + k - 1  # the packed position that predicts response token k
-            logp[i, k] = logp_all[position, record["sequences"][i, PROMPT + k]]
-            entropy[i, k] = entropy_all[position]
+        # every action column (those before a short response hold prompt tokens: computed by
+        # SkyRL too, and masked out of the loss)
+        for j in range(RESPONSE):
+            column = LENGTH - RESPONSE + j
+            token = column - (LENGTH - prompt - response)  # its index in the sample
+            position = int(starts[i]) + token - 1  # the packed position that predicts it
+            logp[i, j] = logp_all[position, record["sequences"][i, column]]
+            entropy[i, j] = entropy_all[position]
     mask = record["loss_mask"].double()
     entropy_mean = (entropy * mask).sum() / mask.sum()
     batch = micro_batch()
@@ -313,4 +321,4 @@ def reference(record: dict, world: int, cfg) -> dict[str, torch.Tensor]:
     )  # fmt: skip
     loss = policy_loss - ENTROPY_COEF * entropy_mean if cfg.algorithm.use_entropy_loss else policy_loss
     (weight_grad,) = torch.autograd.grad(loss, weight)
-    return {"log_probs": logp.detach() * mask, "entropy": entropy_mean.detach(), "weight_grad": weight_grad}
+    return {"log_probs": logp.detach(), "entropy": entropy_mean.detach(), "weight_grad": weight_grad}
