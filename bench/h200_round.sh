@@ -8,9 +8,10 @@
 # 1. the CUDA tests (tests/gpu), stopping at nothing (-x would hide the tests after a failure);
 # 2. the log-prob head alone per tile with the one-tile kept logits (bench/step.py --head), then
 #    the rule and KEEP_LOGITS_BYTES that sweep asks for (--rule);
-# 3. the whole step at short context, stock against fp32patch and the stacks' fused paths, with
-#    the device's busy time per step beside the wall time (a 0.5B or 1.5B step at 1-4k tokens is
-#    host-bound);
+# 3. the whole step at short context where the issue found the worst ratio (0.5B tied, 1k and 4k
+#    tokens), stock against fp32patch and the stacks' fused paths (Prime-RL's too), with the
+#    device's busy time per step beside the wall time (such a step is host-bound); the JSON is
+#    written after every cell, and the next call takes 1.5B and 3B;
 # 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py).
 set -u
 OUT=${OUT:-bench/out}
@@ -31,6 +32,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 part gpu-tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
 part head 200 python bench/step.py --head --out "$OUT/step-head-h200.json"
 part rule 20 python bench/step.py --rule "$OUT/step-head-h200.json"
-part step 170 python bench/step.py --models 0.5B-tied 1.5B-untied --tokens 1024 2048 4096 \
-    --ways stock fp32patch verl-fused fp32patch-trl trl-chunked --out "$OUT/step-grid-h200.json"
+part step 170 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
+    --ways stock fp32patch verl-fused fp32patch-trl trl-chunked prime-rl-fused fp32patch-prime-rl \
+    --out "$OUT/step-grid-h200.json"
 part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-h200.json"

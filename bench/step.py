@@ -16,8 +16,10 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   sources: ``verl-fused`` (``use_fused_kernels``, torch backend, 512-token chunks; it always
   computes the entropy), ``trl-chunked`` (TRL's chunked log-probs, bf16 tiles of 4096 x 32768;
   log-probs only), ``nemo-fused`` (NeMo-RL's fused linear log-probs, 256-token chunks; log-probs
-  only, no temperature: it divides the log-probs' logits elsewhere). Each is compared with the
-  fp32patch path that replaces it (``PAIRS``).
+  only, no temperature: it divides the log-probs' logits elsewhere), ``prime-rl-fused``
+  (Prime-RL's ``FusedOutputLinear``: 8192-token chunks of 8192-entry bf16 tiles, a temperature per
+  token; bench/prime_rl_head.py), against ``fp32patch-prime-rl``, the head fp32patch wires for
+  it. Each is compared with the fp32patch path that replaces it (``PAIRS``).
 * ``fp32patch@R,V``: chunked_logprobs with the tile R tokens x V vocabulary entries (sweeps);
   ``fp32patch-tiledfwd``, ``fp32patch-eager``: diagnostics (the forward without the fused GEMM +
   logsumexp kernel; no Triton at all).
@@ -66,6 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fused_logprobs import NemoRlBf16, TrlBf16Tiles, VerlTorchBf16  # noqa: E402
 from bench.lm_head import env_set  # noqa: E402
+from bench.prime_rl_head import patched as prime_rl_patched  # noqa: E402
+from bench.prime_rl_head import prime_bf16  # noqa: E402
 from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles, chunked_logprobs  # noqa: E402
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
 from fp32patch.runtime.trl.fused import TILE as TRL_TILE  # noqa: E402
@@ -95,6 +99,7 @@ PAIRS = [
     ("verl use_fused_kernels", "verl-fused", "fp32patch"),
     ("TRL chunked log-probs", "trl-chunked", "fp32patch-trl"),
     ("NeMo-RL fused linear log-probs", "nemo-fused", "fp32patch"),
+    ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
 HEAD_TILES = [None, (8192, 16384), (8192, 32768), (4096, 0), (8192, 0), (16384, 0), (0, 0)]
@@ -285,6 +290,19 @@ def _nemo(model, ids, targets, entropy):
     return NemoRlBf16.apply(h[0], model.lm_head.weight, targets[0])[None], None
 
 
+def _prime_rl(head: Callable) -> Callable:
+    """Prime-RL's head (its bf16 chunks, bench/prime_rl_head.py, or the head fp32patch wires for
+    it), which takes a temperature per token: every token the step's."""
+
+    def fn(model, ids, targets, entropy):
+        h = _hidden(model, ids)[0]
+        temps = torch.full((h.shape[0],), TEMPERATURE, device=h.device)
+        logp, ent = head(h, model.lm_head.weight, targets[0], temps, None)
+        return logp[None], (ent[None] if entropy else None)
+
+    return fn
+
+
 def _with_env(fn: Callable, **env: str) -> Callable:
     """``fn`` run with these environment variables set for the whole step (``Cell.step``): the
     backward reads them too."""
@@ -312,6 +330,8 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     "verl-fused": (_verl, True),
     "trl-chunked": (_trl, False),
     "nemo-fused": (_nemo, False),
+    "prime-rl-fused": (_prime_rl(prime_bf16), True),
+    "fp32patch-prime-rl": (_prime_rl(prime_rl_patched), True),
 }
 
 

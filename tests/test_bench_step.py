@@ -28,7 +28,7 @@ MODELS = ["tiny-tied", "tiny-untied"]
 
 def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> None:
     out = tmp_path / "step.json"
-    ways = ["stock", "fp32patch", "verl-fused", "trl-chunked", "fp32patch-trl"]
+    ways = ["stock", "fp32patch", "verl-fused", "trl-chunked", "fp32patch-trl", "prime-rl-fused", "fp32patch-prime-rl"]
     try:
         assert step.main(["--cpu", "--models", *MODELS, "--tokens", "24", "--out", str(out), "--ways", *ways]) == 0
     finally:
@@ -46,7 +46,7 @@ def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> No
     printed = capsys.readouterr().out
     assert "| tiny-untied | 24 | on |" in printed and "| tiny-tied | 24 | off |" in printed
     assert " | — | — | " in printed  # no busy time on the CPU, said as such
-    for stack, _, _ in step.PAIRS[:3]:
+    for stack, _, _ in [*step.PAIRS[:3], step.PAIRS[4]]:
         assert f"### {stack}" in printed
 
 
@@ -73,6 +73,13 @@ def test_the_ways_compute_the_same_log_probs(cpu: None, name: str) -> None:
         assert (got[w][1][0].double() - ref_ent).abs().max() < 0.25
     trl = step.way("trl-chunked")[0](model, cell.ids, cell.targets, False)[0]
     assert (trl[0].double() - ref_logp).abs().max() < 0.25
+    with torch.no_grad():
+        prime_logp, prime_ent = step.way("fp32patch-prime-rl")[0](model, cell.ids, cell.targets, True)
+        bf16_logp, bf16_ent = step.way("prime-rl-fused")[0](model, cell.ids, cell.targets, True)
+    assert (prime_logp[0].double() - ref_logp).abs().max() < 1e-5  # fp32patch's head for Prime-RL
+    assert (prime_ent[0].double() - ref_ent).abs().max() < 1e-5
+    assert (bf16_logp[0].double() - ref_logp).abs().max() < 0.25  # Prime-RL's own: bf16 tiles
+    assert (bf16_ent[0].double() - ref_ent).abs().max() < 0.25
 
 
 def test_a_way_out_of_memory_is_recorded_and_the_others_still_run(cpu: None, monkeypatch) -> None:
