@@ -333,21 +333,28 @@ def hybrid_model(cfg, tied: bool = False, seed: int = 0):
     )
 
 
-def gpt_model(cfg, pre_process: bool = True, post_process: bool = True, tied: bool = False):
-    """A real GPTModel (local layer spec). Its attention needs CUDA's RNG tracker, so on
-    the CPU the tests call its output layer the way its forward does, not the forward."""
+def gpt_model(
+    cfg, pre_process: bool = True, post_process: bool = True, tied: bool = False, core_attention=None, **kwargs
+):
+    """A real GPTModel (local layer spec; ``core_attention``: another attention module in it,
+    ``kwargs``: more of GPTModel's arguments). Its attention needs CUDA's RNG tracker (no_rng_fork
+    in nemo_rl_fused.py forks nothing in its place)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = get_gpt_layer_local_spec()
+    if core_attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = core_attention
     torch.manual_seed(0)
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=spec,
         vocab_size=V,
-        max_sequence_length=S,
+        max_sequence_length=kwargs.pop("max_sequence_length", S),
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=tied,
+        **kwargs,
     )
 
 

@@ -37,7 +37,7 @@ import sys
 from types import ModuleType
 
 import torch
-from megatron_harness import V, close_parallel, config, emulate_ddp, init_parallel, recorded
+from megatron_harness import V, close_parallel, config, emulate_ddp, gpt_model, init_parallel, recorded
 from nemo_rl_fused import _gather, no_rng_fork
 
 TEMPERATURE = 0.7
@@ -151,20 +151,7 @@ class LossScaler:
 def gpt(cfg):
     """A GPTModel with rotary positions (SkyRL's packed input has none of its own) and the packed
     attention above, its parameters given Megatron DDP's ``main_grad``."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = PackedAttention
-    torch.manual_seed(0)
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=V,
-        max_sequence_length=MAX_LEN,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
-    )
+    model = gpt_model(cfg, core_attention=PackedAttention, max_sequence_length=MAX_LEN, position_embedding_type="rope")
     for param in model.parameters():
         emulate_ddp(param)
     return model
