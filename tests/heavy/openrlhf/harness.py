@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
 
 from tests.heavy import roots
+from tests.support import processes
 
 REPO = Path(__file__).resolve().parents[3]
 SITE = Path(sysconfig.get_paths()["purelib"])
@@ -55,8 +55,8 @@ def run(module: str, settings: dict[str, Any], out: Path, root: Path | None, plu
     there as run.log; an exit other than 0 fails with the log's tail)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "input.json").write_text(json.dumps(settings))
-    with open(out / "run.log", "wb") as log:
-        done = subprocess.run(
+    with open(out / "run.log", "wb") as log:  # the run, and any engine core it leaves, ended (processes.run)
+        done = processes.run(
             [sys.executable, "-m", module, str(out / "input.json"), str(out)],
             cwd=REPO,
             env=environ(root, plugin_dir),

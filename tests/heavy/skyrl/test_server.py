@@ -16,8 +16,6 @@ runs it, over HTTP through SkyRL's worker extension:
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +28,7 @@ from fp32patch.runtime.errors import Fp32LmHeadMismatchError
 from fp32patch.runtime.skyrl import probe_servers
 from tests.heavy.openrlhf import harness
 from tests.heavy.vllm_engine import harness as engine
+from tests.support import processes
 
 START_TIMEOUT_S = 600
 # every process of the server (vLLM spawns its engine core and workers) runs SkyRL on 3.11
@@ -41,13 +40,12 @@ def _start(way: str, model_dir: Path, root: Path | None, out: Path) -> tuple[sub
     out.mkdir(parents=True, exist_ok=True)
     (out / "input.json").write_text(json.dumps({"model": str(model_dir), "switch": "fp32out" if way == "on" else None}))
     log = open(out / "run.log", "wb")  # noqa: SIM115 (closed with the process)
-    process = subprocess.Popen(
+    process = processes.start(
         [sys.executable, "-m", "tests.heavy.skyrl.server_run", str(out / "input.json"), str(out)],
         cwd=harness.REPO,
         env=harness.environ(root, SITE),
         stdout=log,
         stderr=log,
-        start_new_session=True,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -66,19 +64,8 @@ def _start(way: str, model_dir: Path, root: Path | None, out: Path) -> tuple[sub
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """The server's whole process group down: SIGTERM, then SIGKILL for what outlives it (vLLM's
-    engine core outlived its server once, holding 0.7 GiB, when only the leader was waited on)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is gone already
-        pass
-    process.wait()
+    """The server and its engine core down (tests/support/processes.py)."""
+    processes.stop(process, grace_s=60)
 
 
 @pytest.fixture(scope="module")

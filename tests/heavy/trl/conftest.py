@@ -32,6 +32,7 @@ import pytest
 
 from tests.heavy.trl import harness
 from tests.heavy.vllm_engine import harness as engine
+from tests.support import processes
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 for _name in harness.SWITCHES:
@@ -107,7 +108,7 @@ def server(args: list[str], plugin_dir: Path, vllm_name: Path, log: Path, **vari
         for attempt in range(1, SERVER_TRIES + 1):
             port = server_port()
             with open(log, "wb") as out:
-                process = subprocess.Popen(
+                process = processes.start(
                     [sys.executable, "-m", *args, "--port", str(port)],
                     cwd=REPO,
                     env={**harness.environ(plugin_dir, PATCHED_ROOT, extra=(vllm_name,)), **variables},
@@ -131,10 +132,5 @@ def server(args: list[str], plugin_dir: Path, vllm_name: Path, log: Path, **vari
                 break
         yield url
     finally:
-        if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        if process is not None:  # the server and its engine core (tests/support/processes.py)
+            processes.stop(process, grace_s=60)

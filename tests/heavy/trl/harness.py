@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.heavy import roots
+from tests.support import processes
 
 REPO = Path(__file__).resolve().parents[3]
 SITE = Path(sysconfig.get_paths()["purelib"])
@@ -57,7 +58,7 @@ def start(tmp: Path, plugin_dir: Path, root: Path | None, **settings: Any) -> su
     with socket.socket() as probe:  # accelerate would take its default port, and two runs side by side collide
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    process = subprocess.Popen(
+    process = processes.start(  # its own group: finish ends the run's engine core with it
         [sys.executable, "-m", "tests.heavy.trl.grpo_run", str(tmp / "settings.json"), str(tmp / "out.json")],
         cwd=REPO,
         env={**environ(plugin_dir, root), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
@@ -73,6 +74,7 @@ def finish(process: subprocess.Popen, *, ok: bool = True) -> dict[str, Any]:
     try:
         process.wait(timeout=RUN_TIMEOUT_S)
     finally:
+        processes.stop(process)  # what is left of its group (a colocated engine core), or all of it past the limit
         process.log.close()  # type: ignore[attr-defined]
     tmp: Path = process.tmp  # type: ignore[attr-defined]
     log = (tmp / "run.log").read_text(errors="replace")

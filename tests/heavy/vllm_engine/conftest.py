@@ -31,6 +31,7 @@ os.environ.pop("NRL_VLLM_FP32_LM_HEAD", None)
 
 from tests.heavy.vllm import conftest as vllm_suite  # noqa: E402
 from tests.heavy.vllm_engine import harness  # noqa: E402
+from tests.support import processes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 VAR = "NRL_VLLM_FP32_LM_HEAD"
@@ -186,7 +187,7 @@ def server_on(model_dir, plugin_dir, tmp_path_factory) -> Iterator[str]:
                 *harness.server_flags(),
             ]
             with open(log, "wb") as out:
-                process = subprocess.Popen(args, cwd=REPO, env=engine_environ(plugin_dir, "1"), stdout=out, stderr=out)
+                process = processes.start(args, cwd=REPO, env=engine_environ(plugin_dir, "1"), stdout=out, stderr=out)
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 300
             while True:
@@ -206,10 +207,5 @@ def server_on(model_dir, plugin_dir, tmp_path_factory) -> Iterator[str]:
                 break
         yield url
     finally:
-        if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        if process is not None:  # the server and its engine core (tests/support/processes.py)
+            processes.stop(process)
