@@ -8,6 +8,10 @@
 # 1. the CUDA tests (tests/gpu), stopping at nothing (-x would hide the tests after a failure);
 # 2. the log-prob head alone per tile with the one-tile kept logits (bench/step.py --head), then
 #    the rule and KEEP_LOGITS_BYTES that sweep asks for (--rule);
+# 2b. the head at 16 and 128 tokens, where its kernels take microseconds: each way's time is then
+#    its host cost (launches, Python), what a host-bound short step pays (on the CPU path the
+#    chunked head dispatches 321 aten ops a call against stock's 78, mostly the CPU emulation of
+#    fp32out's backward; the CUDA path is another, and this measures it);
 # 3. the whole step at short context where the issue found the worst ratio (0.5B tied, 1k and 4k
 #    tokens), stock against fp32patch and the stacks' fused paths (Prime-RL's too), with the
 #    device's busy time per step beside the wall time (such a step is host-bound); the JSON is
@@ -29,10 +33,12 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit)" | tee -a "$OUT/parts.txt"
     tail -n 25 "$OUT/$name.log"
 }
-part gpu-tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
-part head 200 python bench/step.py --head --out "$OUT/step-head-h200.json"
-part rule 20 python bench/step.py --rule "$OUT/step-head-h200.json"
-part step 170 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
+part gpu-tests 110 python -m pytest -q -p no:cacheprovider tests/gpu
+part head 190 python bench/step.py --head --models 0.5B-tied 1.5B-untied --tokens 1024 2048 4096 8192 16384 \
+    --out "$OUT/step-head-h200.json"
+part rule 15 python bench/step.py --rule "$OUT/step-head-h200.json"
+part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$OUT/step-head-host-h200.json"
+part step 165 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
     --ways stock fp32patch verl-fused fp32patch-trl trl-chunked prime-rl-fused fp32patch-prime-rl \
     --out "$OUT/step-grid-h200.json"
 part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-h200.json"
