@@ -6,8 +6,10 @@
 #   bash bench/h200_round.sh            # on the device machine, in the repository root; $OUT: where results go
 #
 # 1. the CUDA tests (tests/gpu), stopping at nothing (-x would hide the tests after a failure);
-# 2. the log-prob head alone per tile with the one-tile kept logits (bench/step.py --head), then
-#    the rule and KEEP_LOGITS_BYTES that sweep asks for (--rule);
+# 2. the log-prob head alone per tile with the one-tile kept logits (bench/step.py --head) at the
+#    0.5B and 1.5B hidden sizes, 1k-16k tokens (about 160 s; the 3B and 7B sizes, which the last
+#    sweep had, are the next call's), then the rule and KEEP_LOGITS_BYTES that sweep asks for
+#    (--rule);
 # 2b. the head at 16 and 128 tokens, where its kernels take microseconds: each way's time is then
 #    its host cost (launches, Python), what a host-bound short step pays (on the CPU path the
 #    chunked head dispatches 321 aten ops a call against stock's 78, mostly the CPU emulation of
