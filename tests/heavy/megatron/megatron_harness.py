@@ -15,7 +15,9 @@ Two things Megatron cannot do on a CPU-only torch, and what stands in for them:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -67,6 +69,32 @@ def recorded(run: Callable[..., dict], *args: object) -> dict:
             "error": f"{type(exc).__name__}: {exc}"[:3000],
             "traceback": traceback.format_exc()[-4000:],
         }
+
+
+@contextlib.contextmanager
+def no_rng_fork():
+    """Megatron's RNG tracker forks CUDA's generator around dropout; there is none here."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    tracker = megatron_random.get_cuda_rng_tracker()
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork
+
+
+def run_phases(phases: list[list[dict]], run: Callable[[dict], dict]) -> dict:
+    """A spawned rank's runs: ``run(spec)``'s record (``recorded``) for each spec of each phase, by
+    the spec's name, with Megatron's RNG tracker forking nothing; after each phase, which
+    fp32patch modules the process has imported (``modules``, one sorted list a phase)."""
+    results: dict = {"runs": {}, "modules": []}
+    with no_rng_fork():
+        for phase in phases:
+            for spec in phase:
+                results["runs"][spec["name"]] = recorded(run, spec)
+            results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
+    return results
 
 
 def close_parallel() -> None:
@@ -337,8 +365,8 @@ def gpt_model(
     cfg, pre_process: bool = True, post_process: bool = True, tied: bool = False, core_attention=None, **kwargs
 ):
     """A real GPTModel (local layer spec; ``core_attention``: another attention module in it,
-    ``kwargs``: more of GPTModel's arguments). Its attention needs CUDA's RNG tracker (no_rng_fork
-    in nemo_rl_fused.py forks nothing in its place)."""
+    ``kwargs``: more of GPTModel's arguments). Its attention needs CUDA's RNG tracker (``no_rng_fork``
+    forks nothing in its place)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

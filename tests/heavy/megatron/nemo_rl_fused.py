@@ -23,14 +23,22 @@ in the config and in every layer that stored it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from megatron_harness import S, V, close_parallel, config, emulate_ddp, gpt_model, init_parallel, recorded
+from megatron_harness import (
+    S,
+    V,
+    close_parallel,
+    config,
+    emulate_ddp,
+    gpt_model,
+    init_parallel,
+    run_phases,
+)
 
 TEMPERATURE = 0.7
 PACKED_LENGTHS = (3, 2, 3)  # three sequences in one row of S tokens
@@ -45,29 +53,11 @@ def run(name: str, key=None, tied: bool = False, fused_key: str = "use_fused_lin
 def worker(rank: int, world: int, init_method: str, job: dict) -> None:
     init_parallel(rank, world, init_method)
     sys.path.insert(0, job["root"])
-    results: dict = {"runs": {}, "modules": []}
     try:
-        with no_rng_fork():
-            for phase in job["phases"]:
-                for spec in phase:
-                    results["runs"][spec["name"]] = recorded(one_run, rank, world, spec)
-                results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
+        results = run_phases(job["phases"], lambda spec: one_run(rank, world, spec))
         torch.save(results, os.path.join(job["out"], f"rank{rank}.pt"))
     finally:
         close_parallel()
-
-
-@contextlib.contextmanager
-def no_rng_fork():
-    """Megatron's RNG tracker forks CUDA's generator around dropout; there is none here."""
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    tracker = megatron_random.get_cuda_rng_tracker()
-    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        del tracker.fork
 
 
 def policy_cfg(spec: dict, world: int) -> dict:

@@ -37,8 +37,8 @@ import sys
 from types import ModuleType
 
 import torch
-from megatron_harness import V, close_parallel, config, emulate_ddp, gpt_model, init_parallel, recorded
-from nemo_rl_fused import _gather, no_rng_fork
+from megatron_harness import V, close_parallel, config, emulate_ddp, gpt_model, init_parallel, run_phases
+from nemo_rl_fused import _gather
 
 TEMPERATURE = 0.7
 # SkyRL's layout (convert_prompts_responses_to_batch_tensors): each sample one left-padded block,
@@ -69,12 +69,8 @@ def worker(rank: int, world: int, init_method: str, job: dict) -> None:
     allow_skyrl()
     install_megatron_bridge()
     cpu_schedule()
-    results: dict = {"runs": {}, "modules": []}
     try:
-        with no_rng_fork():
-            for spec in job["runs"]:
-                results["runs"][spec["name"]] = recorded(one_run, rank, world, spec)
-        results["modules"] = sorted(m for m in sys.modules if m.startswith("fp32patch"))
+        results = run_phases(job["phases"], lambda spec: one_run(rank, world, spec))
         import skyrl
 
         results["skyrl"] = skyrl.__file__

@@ -27,8 +27,8 @@ import sys
 from types import ModuleType
 
 import torch
-from megatron_harness import S, V, close_parallel, config, emulate_ddp, init_parallel, recorded
-from nemo_rl_fused import PACKED_LENGTHS, _gather, no_rng_fork, packed_microbatch
+from megatron_harness import S, V, close_parallel, config, emulate_ddp, init_parallel, run_phases
+from nemo_rl_fused import PACKED_LENGTHS, _gather, packed_microbatch
 
 TEMPERATURE = 0.7
 RESPONSES = (2, 1, 2)  # each packed sample's response tokens (the rest is its prompt)
@@ -57,13 +57,8 @@ def worker(rank: int, world: int, init_method: str, job: dict) -> None:
 
     install_sglang()
     install_megatron_training()
-    results: dict = {"runs": {}, "modules": []}
     try:
-        with no_rng_fork():
-            for phase in job["phases"]:
-                for spec in phase:
-                    results["runs"][spec["name"]] = recorded(one_run, spec)
-                results["modules"].append(sorted(m for m in sys.modules if m.startswith("fp32patch")))
+        results = run_phases(job["phases"], one_run)
         torch.save(results, os.path.join(job["out"], f"rank{rank}.pt"))
     finally:
         close_parallel()

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron_harness import S, V, config, gpt_model
-from nemo_rl_fused import PACKED_LENGTHS, no_rng_fork
+from megatron_harness import S, V, config, gpt_model, no_rng_fork
+from nemo_rl_fused import PACKED_LENGTHS
 
 from fp32patch.runtime.heads.megatron import fp32_lm_head_mode
 from tests.support.areal import engine_files, load_vocab_parallel

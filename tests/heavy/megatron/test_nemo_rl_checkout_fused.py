@@ -38,12 +38,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from megatron.core.transformer.module import Float16Module
-from megatron_harness import config
+from megatron_harness import config, no_rng_fork
 from nemo_rl_fused import (
     CHUNK,
     TEMPERATURE,
     advantages,
-    no_rng_fork,
     output_weight,
     packed_microbatch,
     reference,
