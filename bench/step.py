@@ -476,7 +476,12 @@ def _busy_ms(step_once: Callable[[], object], steps: int) -> float:
         for _ in range(steps):
             step_once()
         _sync()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+    return _busy(prof.key_averages(), steps)
+
+
+def _busy(events, steps: int) -> float:
+    """The device's busy milliseconds per step in a profile of ``steps`` steps (its key averages)."""
+    return sum(e.self_device_time_total for e in events) / steps / 1e3
 
 
 def run_grid(args) -> dict:
@@ -683,7 +688,7 @@ def profile(args) -> None:
                         _sync()
                         wall = (time.perf_counter() - t0) / 3 * 1e3
                     events = prof.key_averages()
-                    busy = sum(e.self_device_time_total for e in events) / 3 / 1e3
+                    busy = _busy(events, 3)
                     table = events.table(
                         sort_by="self_device_time_total", row_limit=args.profile_rows, max_name_column_width=60
                     )
