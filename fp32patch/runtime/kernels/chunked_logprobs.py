@@ -68,7 +68,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
+from fp32patch.runtime.kernels.fp32out import triton_device
 from fp32patch.runtime.kernels.lm_head_gemm import (
     _UPCAST_MODES,
     _backward_gemms,
@@ -448,10 +448,9 @@ def grad_tile(
 def _triton(t: torch.Tensor) -> Any:
     """The Triton kernels for tiles on ``t``'s device, or None for the torch steps (the CPU;
     ``FP32PATCH_TRITON=0``; no Triton)."""
-    if t.device.type != "cuda" or os.environ.get(TRITON_ENV_VAR, "1") == "0":
+    if not triton_device(t):
         return None
-    kernels = _TritonKernels.get()
-    return kernels
+    return _TritonKernels.get()
 
 
 class _TritonKernels:
@@ -639,9 +638,7 @@ def _gemm_lse(plan: _Plan, x: torch.Tensor, weight: torch.Tensor) -> Any:
     modes, whose forward is the fp32-output GEMM, on a GPU and operands it takes, Triton not
     switched off: ``FP32PATCH_TRITON=0``, or ``FP32PATCH_GEMM_LSE=0`` for this kernel alone), else
     None: then the tiles are written and folded."""
-    if plan.mode in _UPCAST_MODES or x.device.type != "cuda":
-        return None
-    if os.environ.get(TRITON_ENV_VAR, "1") == "0" or os.environ.get(GEMM_LSE_ENV_VAR, "1") == "0":
+    if plan.mode in _UPCAST_MODES or not triton_device(x) or os.environ.get(GEMM_LSE_ENV_VAR, "1") == "0":
         return None
     from fp32patch.runtime.kernels import gemm_lse_triton
 

@@ -99,6 +99,15 @@ _FP16_TOP_EXPONENT = 14
 _MAX_SHIFT = 100  # keeps the power-of-two scale itself a finite, normal fp32 number
 # Set to 0 to keep the eager path on CUDA too (the Triton kernels give the same bits).
 TRITON_ENV_VAR = "FP32PATCH_TRITON"
+# The device types whose tensors the Triton kernels take: CUDA's. Tests add "cpu" while Triton
+# runs interpreted (TRITON_INTERPRET=1), so that the CUDA paths' logic runs on this machine.
+TRITON_DEVICE_TYPES = {"cuda"}
+
+
+def triton_device(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels may take ``t``: a device they run on, Triton not switched off
+    (``FP32PATCH_TRITON=0``). Every choice between a Triton path and the eager one asks this."""
+    return t.device.type in TRITON_DEVICE_TYPES and os.environ.get(TRITON_ENV_VAR, "1") != "0"
 
 
 def _triton_kernels(a: torch.Tensor) -> Any:
@@ -107,7 +116,7 @@ def _triton_kernels(a: torch.Tensor) -> Any:
     Only CUDA tensors use them; Triton is imported on the first such call, and a missing
     Triton, or ``FP32PATCH_TRITON=0``, keeps the eager path. Both give the same bits.
     """
-    if a.device.type != "cuda" or os.environ.get(TRITON_ENV_VAR, "1") == "0":
+    if not triton_device(a):
         return None
     from fp32patch.runtime.kernels import fp16_scale_triton
 

@@ -26,6 +26,7 @@ Nothing here imports torch or Triton at import time.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -95,9 +96,11 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     tensor descriptors importable."""
     import torch
 
-    if x.device.type != "cuda" or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
+    from fp32patch.runtime.kernels.fp32out import triton_device
+
+    if not triton_device(x) or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
         return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     for t in (x, weight):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -108,6 +111,20 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     except ImportError:
         return False
     return True
+
+
+def _programs(device: torch.device) -> int:
+    """The persistent kernel's program count: one per SM on CUDA; elsewhere (Triton's
+    interpreter, which tests run on the CPU) a few, so that programs still share the blocks."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_PROGRAMS
+
+
+# programs of the persistent kernel off CUDA (the interpreter): more than one, fewer than the blocks
+INTERPRETER_PROGRAMS = 3
 
 
 def block_stats(
@@ -135,8 +152,8 @@ def block_stats(
     s = torch.empty_like(m)
     zs = torch.empty_like(m) if entropy else s
     tiles = triton.cdiv(rows, cfg["BM"]) * blocks
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    with torch.cuda.device(device):
+    sms = _programs(device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _kernel()[(min(sms, tiles),)](
             TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]]),
             TensorDescriptor.from_tensor(weight, [cfg["BN"], cfg["BK"]]),

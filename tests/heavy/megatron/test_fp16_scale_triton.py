@@ -3,39 +3,25 @@ the eager arithmetic it replaces, bit for bit, and the whole backward through th
 the eager backward. It lives in this suite because this environment carries Triton, as a
 Megatron training stack does; tests/gpu checks the compiled kernels on a GPU.
 
-Triton reads TRITON_INTERPRET once, when it is first imported, and megatron-core imports it
-before these tests run; so without the variable this file runs itself in a child pytest
-that has it."""
+Without TRITON_INTERPRET this file runs itself in a child pytest that has it
+(tests/support/interpreter.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fp32patch.runtime import fp16_scale_triton, fp32out
 from fp32patch.runtime.lm_head_gemm import lm_head_linear
+from tests.support.interpreter import INTERPRETED, only_interpreted, run_under_interpreter
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu covers the compiled kernels")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-only_interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the child pytest")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_this_file_under_the_interpreter():
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and " failed" not in child.stdout
+    run_under_interpreter(__file__)
 
 
 @pytest.fixture

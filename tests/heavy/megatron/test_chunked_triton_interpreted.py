@@ -1,0 +1,268 @@
+"""chunked_logprobs' CUDA paths on the CPU, through Triton's interpreter: the per-tile kernels
+(fold, gradient), the fused GEMM + logsumexp forward, and the whole call as CUDA runs it (kept
+logits read in one tile, recomputed tiles, the 16-bit copies written straight from the logits,
+products accumulated into Megatron's ``main_grad``), each against the torch steps that the CPU
+runs, and the whole call against float64.
+
+The compiled kernels' speed and their bits on tensor cores are tests/gpu's; what this file
+checks is the logic of the CUDA-only branches (which copies are written, which accumulator
+takes which product, what the kept logits look like after a backward), which no CPU test
+reached before and which changed after the last GPU run. ``fp32out.TRITON_DEVICE_TYPES`` is
+the one seam: with "cpu" in it, every choice between a Triton path and the eager one takes the
+Triton path for CPU tensors.
+
+The interpreter computes with numpy: bf16 loaded through a tensor descriptor reads as garbage
+and a bf16 store truncates, so these tests take fp16 operands (every kernel here is generic
+over the 16-bit dtype; tests/gpu checks bf16). Without TRITON_INTERPRET this file runs itself
+in a child pytest that has it (tests/support/interpreter.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp32patch.runtime.kernels import chunked_logprobs as cl
+from fp32patch.runtime.kernels import fp32out, gemm_lse_triton
+from tests.support.interpreter import INTERPRETED, only_interpreted, run_under_interpreter
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu covers the compiled kernels")
+
+T, H, V = 96, 64, 700  # V: neither the fold's block nor the gradient's and GEMM's column blocks divide it
+RARE = 64
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child")
+def test_this_file_under_the_interpreter():
+    run_under_interpreter(__file__)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """CPU tensors take the Triton paths; returns the count of each kernel's launches, so that a
+    test knows the path it meant to check is the one that ran."""
+    monkeypatch.setattr(fp32out, "TRITON_DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.delenv(fp32out.TRITON_ENV_VAR, raising=False)
+    kernels = cl._TritonKernels.get()
+    assert kernels is not None
+    counts = {"fold": 0, "grad": 0, "gemm_lse": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(kernels, "fold", counted("fold", kernels.fold))
+    monkeypatch.setattr(kernels, "grad", counted("grad", kernels.grad))
+    monkeypatch.setattr(gemm_lse_triton, "block_stats", counted("gemm_lse", gemm_lse_triton.block_stats))
+    return counts
+
+
+def _eager(monkeypatch):
+    """From here on the torch steps (the CPU's path), in the same test."""
+    monkeypatch.setenv(fp32out.TRITON_ENV_VAR, "0")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    scale = b.double().abs().max().clamp_min(1e-30)
+    err = ((a.double() - b.double()).abs().max() / scale).item()
+    assert err <= rtol, f"{what}: {err:.2e} of the largest entry, more than {rtol:.0e}"
+
+
+def _problem(seed: int, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    w = torch.randn(V, H, generator=gen) * 0.3
+    # rare tokens: one feature every token has pushes the first 64 entries' logits ~12 down, so
+    # their probabilities and gradients are ~1e-5 of the others' (fp16 without its per-column
+    # scale would keep few of their bits)
+    x[:, 0], w[:RARE, 0] = 3.0, -4.0
+    x, w = x.to(dtype), w.to(dtype)
+    targets = torch.randint(0, V, (T,), generator=gen)
+    grad = torch.randn(T, generator=gen)
+    return x, w, targets, grad
+
+
+@only_interpreted
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fold_kernel_gives_the_torch_steps_statistics(calls, monkeypatch, temperature):
+    gen = torch.Generator().manual_seed(1)
+    tile = torch.randn(40, 2500, generator=gen) * 6  # two of the fold's 2048-column blocks
+    targets = torch.randint(0, 2500, (40,), generator=gen)
+    targets[:2] = torch.tensor([-1, 2507])  # outside the vocabulary: no logit taken
+
+    def fold():
+        stats = cl.RowStats(40, tile.device, entropy=True)
+        for c0, c1 in ((0, 900), (900, 2500)):  # two tiles into one row's statistics
+            cl.fold_tile(tile[:, c0:c1].contiguous(), targets, c0, temperature, stats)
+        return stats
+
+    kernel = fold()
+    assert calls["fold"] == 2
+    _eager(monkeypatch)
+    eager = fold()
+    assert calls["fold"] == 2
+    assert torch.equal(kernel.m, eager.m)
+    assert torch.equal(kernel.target, eager.target)
+    assert (eager.target[:2] == 0).all()  # the targets outside the vocabulary kept their 0
+    _close(kernel.s, eager.s, 1e-6, "sum of exponentials")
+    _close(kernel.zs, eager.zs, 1e-6, "exp-weighted sum of logits")
+
+
+@only_interpreted
+def test_grad_kernel_writes_each_copy_the_backward_asks_for(calls, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    tile = torch.randn(70, V, generator=gen) * 4
+    targets = torch.randint(0, V, (70,), generator=gen)
+    log_z = torch.logsumexp(tile / 0.8, dim=1)
+    log_p = tile / 0.8 - log_z[:, None]
+    ent = -(log_p.exp() * log_p).sum(1)
+    g_lp, g_ent = torch.randn(70, generator=gen), torch.randn(70, generator=gen) * 0.1
+    args = (targets, 0, 0.8, log_z, ent, g_lp, g_ent)
+
+    in_place = tile.clone()
+    cl.grad_tile(in_place, *args)
+    assert calls["grad"] == 1  # the seam is on: that was the kernel
+    monkeypatch.setenv(fp32out.TRITON_ENV_VAR, "0")
+    eager = tile.clone()
+    cl.grad_tile(eager, *args)
+    monkeypatch.delenv(fp32out.TRITON_ENV_VAR)
+    assert calls["grad"] == 1
+    _close(in_place, eager, 1e-6, "gradient in place")
+    z = tile / 0.8
+    p = (z - log_z[:, None]).exp()
+    hit = torch.zeros_like(z).scatter_(1, targets[:, None], 1.0)
+    by_hand = (g_lp[:, None] * (hit - p) - g_ent[:, None] * p * (z - log_z[:, None] + ent[:, None])) / 0.8
+    _close(in_place, by_hand, 1e-5, "gradient against its formula")
+
+    kernels = cl._TritonKernels.get()
+    amax = torch.zeros(V)
+    kept = tile.clone()
+    kernels.grad(kept, *args, in_place=False, amax=amax)
+    assert torch.equal(kept, tile)  # not written: a kept tile stays the forward's logits
+    assert torch.equal(amax, in_place.abs().amax(dim=0))
+
+    scale = fp32out._pow2_scale(amax)
+    g16, plain = torch.empty(tile.shape, dtype=torch.float16), torch.empty(tile.shape, dtype=torch.float16)
+    kernels.grad(kept, *args, in_place=False, scale=scale, out16=g16, plain=plain)
+    assert torch.equal(kept, tile)
+    assert torch.equal(g16, (in_place * scale).half())
+    assert torch.equal(plain, in_place.half())
+    # every column's largest entry lands in [2**13, 2**14] (its fp16 rounding may reach 2**14):
+    # fp16's 11 bits for rare tokens too
+    top = g16.float().abs().amax(dim=0)
+    assert (((top >= 2**13) & (top <= 2**14)) | (amax == 0)).all()
+
+
+@only_interpreted
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_gemm_logsumexp_forward_gives_the_folded_statistics(calls, monkeypatch, entropy):
+    gen = torch.Generator().manual_seed(3)
+    rows, hdim, cols = 200, 72, 700  # ragged against its 128 x 256 blocks and its 64-wide K steps
+    x = torch.randn(rows, hdim, generator=gen).half()
+    w = (torch.randn(cols, hdim, generator=gen) * 0.3).half()
+    targets = torch.randint(-2, cols + 2, (rows,), generator=gen)
+    assert gemm_lse_triton.usable(x, w)
+    m, s, zs, tz = gemm_lse_triton.block_stats(x, w, targets, 0.7, entropy)
+    assert calls["gemm_lse"] == 1
+    _eager(monkeypatch)
+    assert not gemm_lse_triton.usable(x, w)
+    stats = cl.RowStats(rows, x.device, entropy)
+    cl.fold_tile(fp32out.mm(x, w.t()), targets, 0, 0.7, stats)
+    # the same exact products summed in another order: fp32 rounding apart
+    _close(m, stats.m, 1e-6, "maximum")
+    _close(tz, stats.target, 1e-6, "target logit")
+    _close(s, stats.s, 1e-5, "sum of exponentials")
+    assert (zs is None) == (not entropy)
+    if entropy:
+        _close(zs, stats.zs, 1e-5, "exp-weighted sum")
+
+
+def _float64(x, w, targets, grad, temperature):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    log_p = torch.log_softmax(x64 @ w64.t() / temperature, -1)
+    lp = log_p.gather(1, targets[:, None])[:, 0]
+    ent = -(log_p.exp() * log_p).sum(-1)
+    (lp * grad.double() + ent * grad.double() * 0.1).sum().backward()
+    return lp.detach(), ent.detach(), x64.grad, w64.grad
+
+
+def _step(x, w, targets, grad, *, main_grad: bool, **kw):
+    """A forward and backward of the log-probs and entropy; the weight's gradient from
+    ``main_grad`` (Megatron's accumulation fusion; a second step then adds as much into it) or
+    ``.grad``."""
+    xl = x.clone().requires_grad_()
+    wl = torch.nn.Parameter(w.clone())
+    if main_grad:
+        wl.main_grad = torch.zeros(wl.shape)
+
+    def once():
+        lp, ent = cl.chunked_logprobs(xl, wl, targets, entropy=True, fuse_wgrad=main_grad, **kw)
+        (lp * grad + ent * grad * 0.1).sum().backward()
+        return lp.detach(), ent.detach()
+
+    lp, ent = once()
+    if not main_grad:
+        return lp, ent, xl.grad, wl.grad
+    first = wl.main_grad.clone()
+    once()
+    assert wl.grad is None
+    _close(wl.main_grad, first * 2, 1e-6, "main_grad after two steps")  # added into, not written over
+    return lp, ent, xl.grad / 2, first
+
+
+@only_interpreted
+@pytest.mark.parametrize("mode", ["fp32out", "fp32out-bf16grad"])
+@pytest.mark.parametrize("tiles", ["kept", "recomputed"])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_whole_call_on_the_cuda_path_gives_the_cpu_paths_numbers(calls, monkeypatch, mode, tiles, main_grad):
+    x, w, targets, grad = _problem(4)
+    kw = dict(mode=mode, temperature=0.7)
+    if tiles == "kept":
+        kw["keep_logits"] = True  # the default tile then: one tile, the whole vocabulary
+    else:
+        kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)  # 3 x 3 tiles, ragged
+    cuda_path = _step(x, w, targets, grad, main_grad=main_grad, **kw)
+    recompute_fwd = tiles == "recomputed"  # both modes' forward is fp32out's GEMM: the fused kernel's
+    steps = 2 if main_grad else 1
+    assert calls["gemm_lse"] == steps * (3 if recompute_fwd else 0)  # one launch per block of rows
+    assert calls["fold"] == steps * (0 if recompute_fwd else 1)  # kept: one whole-vocabulary tile
+    passes = 2 if mode == "fp32out" else 1  # fp32out: the column maxima, then the copies
+    assert calls["grad"] == steps * passes * (1 if tiles == "kept" else 9)
+    _eager(monkeypatch)
+    cpu_path = _step(x, w, targets, grad, main_grad=main_grad, **kw)
+    lp64, ent64, dx64, dw64 = _float64(x, w, targets, grad, 0.7)
+    names = ("log-probs", "entropy", "input gradient", "weight gradient")
+    for name, a, b in zip(names, cuda_path, cpu_path, strict=True):
+        # the same formulas and roundings; the exponentials' last bits differ (numpy's
+        # against torch's), which may flip the 16-bit rounding of a few gradient entries
+        _close(a, b, 2e-6 if name in names[:2] else 1e-4, name)
+    if main_grad and mode == "fp32out":
+        # and row by row of the fp32 weight gradient: the rare tokens' rows (down to ~1e-11 of
+        # the largest) keep fp16's 11 bits through the per-column scales, as on the CPU path
+        # (fp32out-bf16grad's unscaled copies are bf16 on real weights, fp16 here: they underflow)
+        row_top = cpu_path[3].double().abs().amax(1)
+        assert (row_top / row_top.max()).min() < 1e-8 and row_top.min() > 0
+        rows = (cuda_path[3].double() - cpu_path[3].double()).abs().amax(1) / row_top
+        assert rows.max() <= 1e-3, f"a row of the weight gradient {rows.max().item():.2e} off, row by row"
+    for name, a, ref in zip(names, cuda_path, (lp64, ent64, dx64, dw64), strict=True):
+        # fp32 grade against float64 (the gradients: through 16-bit copies of the logits' gradient)
+        _close(a, ref, {"log-probs": 1e-6, "entropy": 3e-6}.get(name, 1e-3), f"{name} against float64")
+
+
+@only_interpreted
+def test_kept_logits_are_read_not_written_by_the_backward(calls):
+    # a graph kept for a second backward reads the same logits again: the same gradients
+    x, w, targets, grad = _problem(5)
+    xl = x.clone().requires_grad_()
+    wl = torch.nn.Parameter(w.clone())
+    lp, ent = cl.chunked_logprobs(xl, wl, targets, temperature=0.7, entropy=True, keep_logits=True)
+    loss = (lp * grad + ent * grad * 0.1).sum()
+    loss.backward(retain_graph=True)
+    first = (xl.grad.clone(), wl.grad.clone())
+    xl.grad, wl.grad = None, None
+    loss.backward()
+    assert calls["grad"] == 4  # two passes per backward, on the kept tile
+    assert torch.equal(xl.grad, first[0]) and torch.equal(wl.grad, first[1])
