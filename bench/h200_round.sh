@@ -27,6 +27,9 @@ import torch, platform
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 EOF
+# the card names the JSON files (the lent machine may be an H100: results say which card gave them)
+TAG=$(python -c "import torch; n = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else 'cpu'; print(next((c for c in ('h200', 'h100', 'b200', 'a100') if c in n), 'gpu'))")
+echo "card tag: $TAG" | tee -a "$OUT/machine.txt"
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
     local name=$1 limit=$2
     shift 2
@@ -37,10 +40,10 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 }
 part gpu-tests 110 python -m pytest -q -p no:cacheprovider tests/gpu
 part head 190 python bench/step.py --head --models 0.5B-tied 1.5B-untied --tokens 1024 2048 4096 8192 16384 \
-    --out "$OUT/step-head-h200.json"
-part rule 15 python bench/step.py --rule "$OUT/step-head-h200.json"
-part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$OUT/step-head-host-h200.json"
+    --out "$OUT/step-head-$TAG.json"
+part rule 15 python bench/step.py --rule "$OUT/step-head-$TAG.json"
+part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$OUT/step-head-host-$TAG.json"
 part step 165 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
     --ways stock fp32patch verl-fused fp32patch-trl trl-chunked prime-rl-fused fp32patch-prime-rl \
-    --out "$OUT/step-grid-h200.json"
-part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-h200.json"
+    --out "$OUT/step-grid-$TAG.json"
+part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-$TAG.json"

@@ -10,8 +10,10 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   bf16 head's logits, ``.float()``, divided by the temperature in place, ``log_softmax``, the
   target gathered; the entropy from the same fp32 logits (``logsumexp - sum(softmax * z)``);
 * ``fp32patch``: ``kernels.chunked_logprobs(hidden, lm_head.weight, targets, mode="fp32out")``
-  with the tile the library chooses (what OpenRLHF's actor and NeMo-RL's and verl's fused paths
-  get under fp32patch), ``fp32patch-trl``: with the tile TRL's path passes (``trl.fused.TILE``);
+  as the library chooses (the logits kept for the backward where they fit: what OpenRLHF's
+  actor gets under fp32patch), ``fp32patch-recompute``: never kept, the tile ``choose_tiles``
+  chooses (what verl's and NeMo-RL's fused paths get: their own hold no [T, V] tensor),
+  ``fp32patch-trl``: with the tile TRL's path passes (``trl.fused.TILE``);
 * the stacks' own bf16 fused paths, re-implemented in bench/fused_logprobs.py from their
   sources: ``verl-fused`` (``use_fused_kernels``, torch backend, 512-token chunks; it always
   computes the entropy), ``trl-chunked`` (TRL's chunked log-probs, bf16 tiles of 4096 x 32768;
@@ -96,9 +98,9 @@ CPU = {"models": ["tiny-tied", "tiny-untied"], "tokens": [40]}
 # (stack, its own path, fp32patch's path under that stack)
 PAIRS = [
     ("HF / OpenRLHF actor (unfused)", "stock", "fp32patch"),
-    ("verl use_fused_kernels", "verl-fused", "fp32patch"),
+    ("verl use_fused_kernels", "verl-fused", "fp32patch-recompute"),
     ("TRL chunked log-probs", "trl-chunked", "fp32patch-trl"),
-    ("NeMo-RL fused linear log-probs", "nemo-fused", "fp32patch"),
+    ("NeMo-RL fused linear log-probs", "nemo-fused", "fp32patch-recompute"),
     ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
@@ -213,16 +215,24 @@ def build_model(name: str, impl: str) -> torch.nn.Module:
                 tie_word_embeddings=c["tied"], max_position_embeddings=131072, use_cache=False,
             )  # fmt: skip
             config._attn_implementation = "sdpa"  # transformers' default where torch has it; said outright
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+            model = _bf16(Qwen2ForCausalLM(config))
             if model.config._attn_implementation != "sdpa":
                 raise SystemExit(
                     f"bench/step.py: the model's attention is {model.config._attn_implementation!r}, not sdpa"
                 )
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model = TorchQwen2(c).to(torch.bfloat16)
+            model = _bf16(TorchQwen2(c))
     model.train()
     return model
+
+
+def _bf16(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in bf16; built in bf16 already (bench/step_counts.py builds it so, from fake
+    tensors, which a conversion would have to swap), as it is."""
+    if all(p.dtype == torch.bfloat16 for p in model.parameters()):
+        return model
+    return model.to(torch.bfloat16)
 
 
 def _impl() -> str:

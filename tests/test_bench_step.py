@@ -28,7 +28,8 @@ MODELS = ["tiny-tied", "tiny-untied"]
 
 def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> None:
     out = tmp_path / "step.json"
-    ways = ["stock", "fp32patch", "verl-fused", "trl-chunked", "fp32patch-trl", "prime-rl-fused", "fp32patch-prime-rl"]
+    ways = ["stock", "fp32patch", "fp32patch-recompute", "verl-fused", "trl-chunked", "fp32patch-trl"]
+    ways += ["prime-rl-fused", "fp32patch-prime-rl"]
     try:
         assert step.main(["--cpu", "--models", *MODELS, "--tokens", "24", "--out", str(out), "--ways", *ways]) == 0
     finally:
@@ -166,8 +167,27 @@ def test_the_keep_limit_is_the_largest_size_where_kept_logits_win_everywhere_bel
     assert step.keep_limit_from_head({"cells": [cell(1024, 896, 5, 8, stock=None, keep_peak=50.0)]}) == 4096000
 
 
+def test_choose_tiles_widens_short_calls_blocks_within_the_long_tiles_logits() -> None:
+    from fp32patch.runtime.kernels.chunked_logprobs import TILE_LOGITS
+
+    # from 8192 tokens: the tile measured at long context
+    for tokens in (8192, 16384, 65536):
+        assert choose_tiles(tokens, 151936, 896) == (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB)
+    # below: as few equal blocks as the tile's logits allow (Qwen2's vocabulary)
+    widths = {1024: 75968, 2048: 50688, 4096: 30400}
+    for tokens, width in widths.items():
+        assert choose_tiles(tokens, 151936, 896) == (DEFAULT_CHUNK_ROWS, width)
+        assert tokens * width <= TILE_LOGITS and width % 64 == 0
+    assert choose_tiles(512, 151936, 896) == (DEFAULT_CHUNK_ROWS, 151936)  # one block
+    assert choose_tiles(3, 11, 8) == (DEFAULT_CHUNK_ROWS, 11)
+    blocks = [-(-151936 // choose_tiles(t, 151936, 896)[1]) for t in (256, 1024, 2048, 4096, 6000, 8192)]
+    assert blocks == sorted(blocks) and blocks[0] == 1 and blocks[-1] == 10
+    # a tensor-parallel shard: its own vocabulary
+    assert choose_tiles(1024, 151936 // 4, 896) == (DEFAULT_CHUNK_ROWS, 151936 // 4)
+
+
 def test_choose_tiles_gives_the_measured_defaults_and_explicit_tiles_win() -> None:
-    assert choose_tiles(4096, 151936, 896) == (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB)
+    assert choose_tiles(8192, 151936, 896) == (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB)
     from fp32patch.runtime.kernels import chunked_logprobs as module
 
     x = torch.randn(5, 8).bfloat16()
@@ -175,4 +195,4 @@ def test_choose_tiles_gives_the_measured_defaults_and_explicit_tiles_win() -> No
     plan = module._plan(
         x, w, torch.zeros(5, dtype=torch.long), "fp32out", 1.0, False, None, None, False, False, 2, None
     )
-    assert (plan.chunk_rows, plan.chunk_vocab) == (2, DEFAULT_CHUNK_VOCAB)
+    assert (plan.chunk_rows, plan.chunk_vocab) == (2, choose_tiles(5, 11, 8)[1])

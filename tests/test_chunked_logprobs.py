@@ -560,8 +560,8 @@ def test_kept_logits_are_freed_once_the_backward_has_run():
 def test_which_calls_keep_their_logits(monkeypatch):
     from fp32patch.runtime.kernels import chunked_logprobs as module
 
-    def plan(t=T, v=V, **kw):
-        x = torch.zeros(t, 8).bfloat16()
+    def plan(t=T, v=V, backward=True, **kw):
+        x = torch.zeros(t, 8).bfloat16().requires_grad_(backward)
         w = torch.zeros(v, 8).bfloat16()
         args = dict(chunk_rows=None, chunk_vocab=None, softcap=None)
         args.update(kw)
@@ -574,7 +574,11 @@ def test_which_calls_keep_their_logits(monkeypatch):
     assert (plan().chunk_rows, plan().chunk_vocab) == (T, V)
     assert (plan(keep_logits=True).chunk_rows, plan(keep_logits=True).chunk_vocab) == (T, V)
     kept_tiles = plan(chunk_rows=16, keep_logits=True)
-    assert (kept_tiles.chunk_rows, kept_tiles.chunk_vocab) == (16, module.DEFAULT_CHUNK_VOCAB)  # a tile asked for
+    assert (kept_tiles.chunk_rows, kept_tiles.chunk_vocab) == (16, module.choose_tiles(T, V, 8)[1])  # a tile asked for
+    # no backward to serve: nothing kept (old and reference log-probs), unless asked
+    assert not plan(backward=False).keep and plan(backward=False, keep_logits=True).keep
+    with torch.no_grad():
+        assert not plan().keep
     assert not plan(chunk_rows=16).keep and not plan(chunk_vocab=64).keep  # a tile asked for: recompute
     assert plan(chunk_rows=16, keep_logits=True).keep and not plan(keep_logits=False).keep
     limit = module.KEEP_LOGITS_BYTES

@@ -88,6 +88,8 @@ GEMM_LSE_ENV_VAR = "FP32PATCH_GEMM_LSE"
 # vocabulary entries per tile.
 DEFAULT_CHUNK_ROWS = 8192
 DEFAULT_CHUNK_VOCAB = 16384
+# the most logits a tile of choose_tiles' holds (4 bytes each, and 4 more for the backward's copies)
+TILE_LOGITS = DEFAULT_CHUNK_ROWS * DEFAULT_CHUNK_VOCAB
 # A call whose fp32 logits (tokens x this rank's vocabulary x 4 bytes) take at most this many bytes
 # keeps them from the forward for the backward (see top); more, and the backward computes its tiles
 # again. Overridden by FP32PATCH_KEEP_LOGITS_BYTES (0: never keep), or per call by keep_logits.
@@ -153,8 +155,11 @@ def chunked_logprobs(
     ``weight.main_grad`` (Megatron's gradient-accumulation fusion) when the weight has one.
     ``chunk_rows`` x ``chunk_vocab``: the tile (defaults: ``choose_tiles``' choice for the
     shape). ``keep_logits``: save the forward's fp32 logits for the backward instead of computing
-    them again (None: ``keeps_logits``' choice for the shape, never when a tile is given; True
-    holds 4 bytes per logit of this rank's shard until the head's backward has run).
+    them again (None: ``keeps_logits``' choice for the shape, never when a tile is given or no
+    backward will run; True holds 4 bytes per logit of this rank's shard until the head's
+    backward has run, and 4 more in it). A caller replacing a stack's own chunked path passes
+    False: that path's peak holds no [T, V] tensor, and a kept one would raise the step's
+    (bench/step_counts.py).
     ``reduce_input_grad=False``: under ``tp_group`` without sequence parallelism, the input
     gradient is this rank's vocabulary part only, for a caller whose own autograd region sums it
     over the group (Megatron's ``copy_to_tensor_model_parallel_region`` before the head, as
@@ -267,7 +272,10 @@ def _plan(
         tiles.append(value)
     asked = chunk_rows is not None or chunk_vocab is not None
     if keep_logits is None:
-        keep = not asked and keeps_logits(math.prod(targets.shape), weight.shape[0])
+        # kept logits serve a backward: a call without one (old and reference log-probs under
+        # no_grad) takes the fused forward, which writes no logits at all
+        backward = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        keep = not asked and backward and keeps_logits(math.prod(targets.shape), weight.shape[0])
     elif isinstance(keep_logits, bool):
         keep = keep_logits
     else:
@@ -301,15 +309,27 @@ def keeps_logits(tokens: int, vocab: int) -> bool:
 def choose_tiles(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
     """The tile (tokens, vocabulary entries) a call without ``chunk_rows`` / ``chunk_vocab``
     gets, for ``tokens`` rows of a ``vocab`` x ``hidden`` head (this rank's shard under tensor
-    parallelism).
+    parallelism), when it does not keep its logits.
 
-    Today one tile for every shape, the one measured at 16k and 64k tokens of a 7B head
-    (bench/RESULTS.md, "Fused log-prob paths"). Whether short sequences of small heads want
-    another (issue 44: a whole step at 4k tokens of a 0.5B model paid 1.34x stock) is for
-    ``python bench/step.py --head`` on a GPU to say: its ``--rule`` output is the table of
-    (hidden, tokens) -> tile this function should read, the fastest tile whose peak stays at
-    or under the stock head's. Not yet measured (bench/RESULTS.md, "A whole training step")."""
-    return DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB
+    A tile holds at most ``TILE_LOGITS`` logits (8192 x 16384, the tile measured at 16k and 64k
+    tokens of a 7B head: bench/RESULTS.md, "Fused log-prob paths"), and a call takes as few
+    vocabulary blocks as that allows, of equal widths: from 8192 tokens up, 16384 entries a block
+    (as measured); below, wider blocks, down to one. Why: the H200 head sweep (bench/step.py
+    --head, bench/RESULTS.md, "A whole training step") found each vocabulary block a fixed cost
+    that dominates short calls (hidden 896, 1,024 tokens: 9.6 ms in 10 blocks, 5.7 in 5, 3.8 in
+    one, the stock head 4.0), and the step's peak memory (bench/step_counts.py) holds the tile
+    and its 16-bit copies in the backward, 8 bytes a logit: the budget keeps that at or under
+    the long-context tile's, under what the stacks' own chunked paths hold at their peaks."""
+    rows = max(1, min(tokens, DEFAULT_CHUNK_ROWS))
+    widest = max(DEFAULT_CHUNK_VOCAB, TILE_LOGITS // rows)
+    if widest == DEFAULT_CHUNK_VOCAB:
+        return DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB
+    if widest >= vocab:
+        return DEFAULT_CHUNK_ROWS, max(1, vocab)
+    blocks = -(-vocab // widest)
+    width = -(-vocab // blocks)
+    width = -(-width // 64) * 64  # rows of 16-bit copies 128-byte aligned
+    return DEFAULT_CHUNK_ROWS, min(width, widest)
 
 
 def _world_and_rank(group: Any) -> tuple[int, int]:
@@ -680,14 +700,18 @@ def _backward(
     main_grad = ctx.main_grad
     local = targets - plan.vocab_start
     dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
+    vocab_spans = _spans(weight.shape[0], plan.chunk_vocab)
     dw = None
-    if need_dw and main_grad is None:
+    # one vocabulary block: its weight gradient is the whole one (no buffer to copy it into, which
+    # would hold a second [V, H] beside it)
+    whole = need_dw and main_grad is None and len(vocab_spans) == 1
+    if need_dw and main_grad is None and not whole:
         dw = torch.empty_like(weight)
     with _precision(plan.mode, x.device):
         row_spans = _spans(x.shape[0], plan.chunk_rows)
         # one tile in a block: its weight gradient comes out of the GEMM in the weight's dtype
         share_dtype = weight.dtype if len(row_spans) == 1 else torch.float32
-        for v0, v1 in _spans(weight.shape[0], plan.chunk_vocab):
+        for v0, v1 in vocab_spans:
             block = weight[v0:v1]
             acc = None if main_grad is None else main_grad[v0:v1]
             for r0, r1 in row_spans:
@@ -701,7 +725,9 @@ def _backward(
                 dx_rows = None if dx is None else dx[rows]
                 kept = None if logits is None else logits[rows, v0:v1]
                 acc = _tile_backward(plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype, kept)
-            if dw is not None:
+            if whole:
+                dw = acc.to(weight.dtype)  # (acc is in the weight's dtype already unless several row tiles)
+            elif dw is not None:
                 dw[v0:v1].copy_(acc)
             del acc
     return dx, dw

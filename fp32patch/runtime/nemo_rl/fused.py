@@ -104,6 +104,7 @@ def fused_logprobs(model: Any, hidden_states: Any, labels: Any) -> Any:
         tp_group=group if world > 1 else None,
         sequence_parallel=sequence_parallel,
         fuse_wgrad=bool(getattr(model.output_layer, "gradient_accumulation_fusion", False)),
+        keep_logits=False,  # NeMo-RL's own fused path holds no [T, V] tensor at its peak, nor does this
     )
     STACK.tell_once(
         ("fused", mode, world, sequence_parallel),

@@ -78,6 +78,7 @@ def fused_logprobs(
             # (copy_to_..., or gather_from_sequence_parallel_region) whose backward sums their
             # gradient over the group: each rank gives its vocabulary part
             reduce_input_grad=False,
+            keep_logits=False,  # SkyRL's own fused path holds no [T, V] tensor at its peak, nor does this
         )
     STACK.tell_once(
         ("fused", mode, world),

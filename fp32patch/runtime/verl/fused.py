@@ -65,8 +65,9 @@ def fused_logprobs(
         )
     from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
 
+    # keep_logits=False: verl's own fused path holds no [T, V] tensor at its peak, nor does this
     log_probs, entropy = chunked_logprobs(
-        hidden, weight, targets.long(), mode=mode, temperature=float(temperature), entropy=True
+        hidden, weight, targets.long(), mode=mode, temperature=float(temperature), entropy=True, keep_logits=False
     )
     STACK.tell_once(
         ("fused", backend, mode),
