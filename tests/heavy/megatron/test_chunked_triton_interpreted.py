@@ -266,4 +266,3 @@ def test_kept_logits_are_read_not_written_by_the_backward(calls):
     loss.backward()
     assert calls["grad"] == 4  # two passes per backward, on the kept tile
     assert torch.equal(xl.grad, first[0]) and torch.equal(wl.grad, first[1])
-
