@@ -13,7 +13,7 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   as the library chooses (the logits kept for the backward where they fit: what OpenRLHF's
   actor gets under fp32patch), ``fp32patch-recompute``: never kept, the tile ``choose_tiles``
   chooses (what verl's and NeMo-RL's fused paths get: their own hold no [T, V] tensor),
-  ``fp32patch-trl``: with the tile TRL's path passes (``trl.fused.TILE``);
+  ``fp32patch-trl``: with the tile TRL's path passes (``trl.fused.tile``);
 * the stacks' own bf16 fused paths, re-implemented in bench/fused_logprobs.py from their
   sources: ``verl-fused`` (``use_fused_kernels``, torch backend, 512-token chunks; it always
   computes the entropy), ``trl-chunked`` (TRL's chunked log-probs, bf16 tiles of 4096 x 32768;
@@ -74,7 +74,7 @@ from bench.prime_rl_head import patched as prime_rl_patched  # noqa: E402
 from bench.prime_rl_head import prime_bf16  # noqa: E402
 from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles, chunked_logprobs  # noqa: E402
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
-from fp32patch.runtime.trl.fused import TILE as TRL_TILE  # noqa: E402
+from fp32patch.runtime.trl.fused import tile as trl_tile  # noqa: E402
 
 DEVICE = "cuda"
 TEMPERATURE = 0.7
@@ -261,7 +261,7 @@ def _hidden(model, ids):
 
 def _ours(tile=None, always_entropy=False, keep=None):
     def fn(model, ids, targets, entropy):
-        rows, vocab = tile if tile is not None else (None, None)
+        rows, vocab = (tile(model, ids) if callable(tile) else tile) if tile is not None else (None, None)
         want = entropy or always_entropy
         out = chunked_logprobs(
             _hidden(model, ids), model.lm_head.weight, targets, mode=MODE, temperature=TEMPERATURE,
@@ -328,7 +328,7 @@ def _with_env(fn: Callable, **env: str) -> Callable:
 WAYS: dict[str, tuple[Callable, bool]] = {
     "stock": (_stock, True),
     "fp32patch": (_ours(), True),
-    "fp32patch-trl": (_ours(TRL_TILE), False),
+    "fp32patch-trl": (_ours(lambda model, ids: trl_tile(ids.numel(), *model.lm_head.weight.shape)), False),
     "fp32out-unfused": (_unfused, True),
     # the default tile, the logits kept from the forward / computed again in the backward
     "fp32patch-keep": (_ours(keep=True), True),

@@ -306,10 +306,11 @@ def keeps_logits(tokens: int, vocab: int) -> bool:
     return 0 < tokens * vocab * 4 <= limit
 
 
-def choose_tiles(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
+def choose_tiles(tokens: int, vocab: int, hidden: int, rows: int = DEFAULT_CHUNK_ROWS) -> tuple[int, int]:
     """The tile (tokens, vocabulary entries) a call without ``chunk_rows`` / ``chunk_vocab``
     gets, for ``tokens`` rows of a ``vocab`` x ``hidden`` head (this rank's shard under tensor
-    parallelism), when it does not keep its logits.
+    parallelism), when it does not keep its logits; ``rows``: tiles of that many tokens (TRL's
+    path: 4096, TRL's own), each as wide as ``TILE_LOGITS`` allows.
 
     A tile holds at most ``TILE_LOGITS`` logits (8192 x 16384, the tile measured at 16k and 64k
     tokens of a 7B head: bench/RESULTS.md, "Fused log-prob paths"), and a call takes as few
@@ -320,16 +321,16 @@ def choose_tiles(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
     one, the stock head 4.0), and the step's peak memory (bench/step_counts.py) holds the tile
     and its 16-bit copies in the backward, 8 bytes a logit: the budget keeps that at or under
     the long-context tile's, under what the stacks' own chunked paths hold at their peaks."""
-    rows = max(1, min(tokens, DEFAULT_CHUNK_ROWS))
-    widest = max(DEFAULT_CHUNK_VOCAB, TILE_LOGITS // rows)
-    if widest == DEFAULT_CHUNK_VOCAB:
-        return DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_VOCAB
+    base = max(1, TILE_LOGITS // rows)  # a full tile's width
+    widest = max(base, TILE_LOGITS // max(1, min(tokens, rows)))
+    if widest == base:
+        return rows, base
     if widest >= vocab:
-        return DEFAULT_CHUNK_ROWS, max(1, vocab)
+        return rows, max(1, vocab)
     blocks = -(-vocab // widest)
     width = -(-vocab // blocks)
     width = -(-width // 64) * 64  # rows of 16-bit copies 128-byte aligned
-    return DEFAULT_CHUNK_ROWS, min(width, widest)
+    return rows, min(width, widest)
 
 
 def _world_and_rank(group: Any) -> tuple[int, int]:

@@ -54,12 +54,20 @@ def mark(model: Any, mode: str, *, role: str) -> Any:
     return model
 
 
-# The backward's tile for TRL (tokens x vocabulary entries), measured on an H200 against TRL
-# 1.16's own bf16 tiles (bench/RESULTS.md, 2026-12-03 16:40 UTC): forward + backward 1.024x /
-# 1.037x of TRL's time at 16k / 64k tokens with a peak under TRL's (3.91 vs 4.11, 4.66 vs 5.23
-# GiB); chunked_logprobs' default (8192 x 16384, kept under verl's smaller peak) took 1.049x /
-# 1.050x, at the goal's edge (1.05x).
-TILE = (8192, 32768)
+# The tile for TRL (tokens x vocabulary entries): TRL's own (4096 tokens, 32768 entries), widened
+# below 4096 tokens by choose_tiles within the same logits. 8192 x 32768, measured on an H200
+# against TRL 1.16's own bf16 tiles (bench/RESULTS.md, 2026-12-03 16:40 UTC: 1.024x / 1.037x of
+# its forward + backward at 16k / 64k tokens, head alone), held a whole step 0.51 GiB over TRL's
+# at 16k tokens of a 0.5B model (bench/step_counts.py, 2026-12-05): twice TRL's tile of logits,
+# 8 bytes each in the backward. TRL's tile holds it at TRL's peak; its time is the GPU's to say.
+TILE = (4096, 32768)
+
+
+def tile(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
+    """The tile a call of ``tokens`` rows over a ``vocab``-entry head takes."""
+    from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles
+
+    return choose_tiles(tokens, vocab, hidden, rows=TILE[0])
 
 
 class ChunkedLogProbs:
@@ -107,7 +115,7 @@ class ChunkedLogProbs:
             temperature=float(temperature) / float(logit_scale),
             entropy="entropy" in outputs,
             chunk_rows=TILE[0],
-            chunk_vocab=TILE[1],
+            chunk_vocab=tile(targets.numel(), operand.shape[0], operand.shape[1])[1],
         )
         log_probs, entropy = result if "entropy" in outputs else (result, None)
         return log_probs, entropy, None, None, None
