@@ -15,7 +15,9 @@
 #    chunked head dispatches 321 aten ops a call against stock's 78, mostly the CPU emulation of
 #    fp32out's backward; the CUDA path is another, and this measures it);
 # 3. the whole step at short context where the issue found the worst ratio (0.5B tied, 1k and 4k
-#    tokens), stock against fp32patch and the stacks' fused paths (Prime-RL's too), with the
+#    tokens), stock against fp32patch and the stacks' fused paths against what replaces each
+#    (verl's and NeMo-RL's: the recomputing way, with choose_tiles' wider short blocks; TRL's: its
+#    own tile shape; Prime-RL's), with the
 #    device's busy time per step beside the wall time (such a step is host-bound); the JSON is
 #    written after every cell, and the next call takes 1.5B and 3B;
 # 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py).
@@ -44,6 +46,6 @@ part head 190 python bench/step.py --head --models 0.5B-tied 1.5B-untied --token
 part rule 15 python bench/step.py --rule "$OUT/step-head-$TAG.json"
 part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$OUT/step-head-host-$TAG.json"
 part step 165 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
-    --ways stock fp32patch verl-fused fp32patch-trl trl-chunked prime-rl-fused fp32patch-prime-rl \
+    --ways stock fp32patch fp32patch-recompute verl-fused nemo-fused trl-chunked fp32patch-trl prime-rl-fused fp32patch-prime-rl \
     --out "$OUT/step-grid-$TAG.json"
 part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-$TAG.json"

@@ -741,38 +741,45 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def table(results: dict) -> str:
-    """Markdown: per stack pair, model, tokens and entropy, the two step times and their ratio, the
-    device's busy time per step and its ratio (CUDA; "—" on the CPU), and the peaks."""
+def pair_tables(results: dict, columns: list[str], row: Callable[[dict, dict], list[str]]) -> str:
+    """Markdown, a table per stack pair (``PAIRS``) with cells holding both its ways: the model,
+    tokens and entropy, then ``columns`` (right-aligned), whose entries ``row(theirs, ours)``
+    gives from the two ways' records."""
     lines = []
-    cells = results["cells"]
     for stack, theirs, ours in PAIRS:
-        rows = [c for c in cells if theirs in c["ways"] and ours in c["ways"]]
+        rows = [c for c in results["cells"] if theirs in c["ways"] and ours in c["ways"]]
         if not rows:
             continue
         lines += [f"### {stack}: `{theirs}` against `{ours}`", ""]
-        lines += [
-            "| model | tokens | entropy | stock step | fp32patch step | ratio | device busy: stock → fp32patch"
-            " | ratio | peak GiB stock → fp32patch |"
-        ]
-        lines += ["| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += ["| model | tokens | entropy | " + " | ".join(columns) + " |"]
+        lines += ["| --- | ---: | --- | " + " | ".join("---:" for _ in columns) + " |"]
         for c in rows:
-            a, b = c["ways"][theirs], c["ways"][ours]
-            ta = "out of memory" if a.get("oom") else _ms(a["ms"])
-            tb = "out of memory" if b.get("oom") else _ms(b["ms"])
-            ratio = "—" if a.get("oom") or b.get("oom") else f"{b['ms'] / a['ms']:.3f}"
-            busy, busy_ratio = "—", "—"
-            if a.get("device_ms") is not None and b.get("device_ms") is not None:
-                busy = f"{_ms(a['device_ms'])} → {_ms(b['device_ms'])}"
-                busy_ratio = f"{b['device_ms'] / a['device_ms']:.3f}"
-            pa = "OOM" if a.get("oom") else f"{a['peak_gib']:.1f}"
-            pb = "OOM" if b.get("oom") else f"{b['peak_gib']:.1f}"
-            ent = "on" if c["entropy"] else "off"
+            entries = row(c["ways"][theirs], c["ways"][ours])
             lines.append(
-                f"| {c['model']} | {c['tokens']:,} | {ent} | {ta} | {tb} | {ratio} | {busy} | {busy_ratio} | {pa} → {pb} |"
+                f"| {c['model']} | {c['tokens']:,} | {'on' if c['entropy'] else 'off'} | {' | '.join(entries)} |"
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def table(results: dict) -> str:
+    """Markdown: per stack pair, model, tokens and entropy, the two step times and their ratio, the
+    device's busy time per step and its ratio (CUDA; "—" on the CPU), and the peaks."""
+
+    def row(a: dict, b: dict) -> list[str]:
+        ta = "out of memory" if a.get("oom") else _ms(a["ms"])
+        tb = "out of memory" if b.get("oom") else _ms(b["ms"])
+        ratio = "—" if a.get("oom") or b.get("oom") else f"{b['ms'] / a['ms']:.3f}"
+        busy, busy_ratio = "—", "—"
+        if a.get("device_ms") is not None and b.get("device_ms") is not None:
+            busy = f"{_ms(a['device_ms'])} → {_ms(b['device_ms'])}"
+            busy_ratio = f"{b['device_ms'] / a['device_ms']:.3f}"
+        pa = "OOM" if a.get("oom") else f"{a['peak_gib']:.1f}"
+        pb = "OOM" if b.get("oom") else f"{b['peak_gib']:.1f}"
+        return [ta, tb, ratio, busy, busy_ratio, f"{pa} → {pb}"]
+
+    columns = ["stock step", "fp32patch step", "ratio", "device busy: stock → fp32patch", "ratio"]
+    return pair_tables(results, [*columns, "peak GiB stock → fp32patch"], row)
 
 
 def _ms(ms: float) -> str:

@@ -260,33 +260,20 @@ def run(
 
 
 def table(results: dict) -> str:
-    """Markdown: per stack pair, model, tokens and entropy, the two ways' peaks, operations and
-    launches per step."""
-    lines = []
-    for stack, theirs, ours in step.PAIRS:
-        rows = [c for c in results["cells"] if theirs in c["ways"] and ours in c["ways"]]
-        if not rows:
-            continue
-        lines += [f"### {stack}: `{theirs}` against `{ours}`", ""]
-        lines += [
-            "| model | tokens | entropy | peak GiB: theirs → fp32patch | aten ops: theirs → fp32patch (added)"
-            " | Triton launches |"
-        ]
-        lines += ["| --- | ---: | --- | ---: | ---: | ---: |"]
-        for c in rows:
-            a, b = c["ways"][theirs], c["ways"][ours]
-            mark = " **over**" if b["peak_gib"] > a["peak_gib"] + 0.005 else ""
-            ops = launches = "—"
-            if "aten_ops" in a and "aten_ops" in b:
-                added = b["aten_ops"] - a["aten_ops"]
-                ops = f"{a['aten_ops']:,} → {b['aten_ops']:,} ({added:+,}, {added / a['aten_ops']:+.1%})"
-                launches = f"{a['triton_launches']} → {b['triton_launches']}"
-            lines.append(
-                f"| {c['model']} | {c['tokens']:,} | {'on' if c['entropy'] else 'off'} | "
-                f"{a['peak_gib']:.2f} → {b['peak_gib']:.2f}{mark} | {ops} | {launches} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
+    """Markdown: per stack pair, model, tokens and entropy, the two ways' peaks (marked where
+    fp32patch's is over), operations and launches per step."""
+
+    def row(a: dict, b: dict) -> list[str]:
+        mark = " **over**" if b["peak_gib"] > a["peak_gib"] + 0.005 else ""
+        ops = launches = "—"
+        if "aten_ops" in a and "aten_ops" in b:
+            added = b["aten_ops"] - a["aten_ops"]
+            ops = f"{a['aten_ops']:,} → {b['aten_ops']:,} ({added:+,}, {added / a['aten_ops']:+.1%})"
+            launches = f"{a['triton_launches']} → {b['triton_launches']}"
+        return [f"{a['peak_gib']:.2f} → {b['peak_gib']:.2f}{mark}", ops, launches]
+
+    columns = ["peak GiB: theirs → fp32patch", "aten ops: theirs → fp32patch (added)", "Triton launches"]
+    return step.pair_tables(results, columns, row)
 
 
 def main(argv: list[str] | None = None) -> int:
