@@ -24,13 +24,19 @@ Triton launch is counted, not run (a fake tensor has nothing to compute on; no c
 paths depends on a value). Prime-RL's head asks whether every token's temperature is the
 same: the step's are (``TEMPERATURE``), and that is the answer it gets here.
 
+The model: transformers' Qwen2 (``--impl hf``, what bench/step.py times on the GPU), or
+bench/step.py's own (``--impl torch``) for long sequences: under fake tensors transformers'
+mask code cannot ask whether its causal mask may be left to sdpa, and builds the [T, T] mask
+(8 GiB at 64k tokens) that a GPU run never holds; bench/step.py's model passes ``is_causal``.
+
 Checked against the H200 (bench/RESULTS.md, "Peak memory from fake tensors"): the stock,
 recomputing and unfused ways' peaks of ``step-grid-h200.json`` (0.5B tied and 1.5B untied, 1k
 and 4k tokens, entropy off and on) within 0.16 GiB, except the stock way with the entropy,
 which the H200 holds one [T, V] fp32 tensor higher (``logsumexp``'s own temporary): this
 undercounts stock there, never fp32patch.
 
-    python bench/step_counts.py --out bench/step-counts-cpu.json      # the grid (about an hour)
+    python bench/step_counts.py --tokens 1024 4096 --out short.json       # transformers' model
+    python bench/step_counts.py --tokens 16384 65536 --impl torch --out long.json
     python bench/step_counts.py --models tiny-tied --tokens 40          # a smoke run
 
 Needs Triton (imported, never run) and transformers for the transformers model (else
@@ -217,6 +223,7 @@ def run(
     entropies: list[bool],
     out: str | None = None,
     count_upto: int = COUNT_UPTO,
+    impl: str | None = None,
 ) -> dict:
     """Every (model, tokens, entropy) cell's ways, operations counted up to ``count_upto`` tokens;
     the JSON written after every cell."""
@@ -224,17 +231,18 @@ def run(
 
     device = step.DEVICE
     step.DEVICE = "cpu"
-    results = {"machine": step._machine(), "date": step._now(), "impl": step._impl(), "cells": []}
+    impl = impl or step._impl()
+    results = {"machine": step._machine(), "date": step._now(), "impl": impl, "cells": []}
     try:
         with fakes(), FakeTensorMode():
             for model_name in models:
-                model = _fake_model(model_name, results["impl"])
+                model = _fake_model(model_name, impl)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=True)
                 _Batch(model, 16).step(step.way("stock")[0], False, opt)  # AdamW's state, as after warm-up
                 for n in tokens:
                     batch = _Batch(model, n)
                     for entropy in entropies:
-                        row = {"model": model_name, "tokens": n, "entropy": entropy, "ways": {}}
+                        row = {"model": model_name, "tokens": n, "entropy": entropy, "impl": impl, "ways": {}}
                         for name in ways:
                             if entropy and not step.way(name)[1]:
                                 continue
@@ -284,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--entropy", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--out", help="write the results here (JSON), after every cell")
     ap.add_argument("--count-upto", type=int, default=COUNT_UPTO, help="count operations up to this many tokens")
+    ap.add_argument(
+        "--impl",
+        choices=["hf", "torch"],
+        default=None,
+        help="the model: transformers' (default where installed) or bench/step.py's",
+    )
     args = ap.parse_args(argv)
     for name in args.ways:
         step.way(name)
@@ -292,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         raise SystemExit("bench/step_counts.py: needs Triton (imported, never run)") from None
     entropies = [e == "on" for e in args.entropy]
-    results = run(args.models, args.tokens, args.ways, entropies, args.out, args.count_upto)
+    results = run(args.models, args.tokens, args.ways, entropies, args.out, args.count_upto, args.impl)
     print()
     print(table(results))
     return 0
