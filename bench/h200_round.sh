@@ -27,11 +27,12 @@ mkdir -p "$OUT"
 python - <<'EOF' | tee "$OUT/machine.txt"
 import torch, platform
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
-print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-EOF
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+print("device", name)
 # the card names the JSON files (the lent machine may be an H100: results say which card gave them)
-TAG=$(python -c "import torch; n = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else 'cpu'; print(next((c for c in ('h200', 'h100', 'b200', 'a100') if c in n), 'gpu'))")
-echo "card tag: $TAG" | tee -a "$OUT/machine.txt"
+print("card tag:", next((c for c in ("h200", "h100", "b200", "a100") if c in name.lower()), "gpu"))
+EOF
+TAG=$(sed -n 's/^card tag: //p' "$OUT/machine.txt")
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
     local name=$1 limit=$2
     shift 2

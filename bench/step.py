@@ -261,7 +261,7 @@ def _hidden(model, ids):
 
 def _ours(tile=None, always_entropy=False, keep=None):
     def fn(model, ids, targets, entropy):
-        rows, vocab = (tile(model, ids) if callable(tile) else tile) if tile is not None else (None, None)
+        rows, vocab = (tile(model, ids) if callable(tile) else tile) or (None, None)
         want = entropy or always_entropy
         out = chunked_logprobs(
             _hidden(model, ids), model.lm_head.weight, targets, mode=MODE, temperature=TEMPERATURE,
@@ -367,7 +367,7 @@ class Cell:
         self.targets = torch.roll(self.ids, -1, dims=1)
         self.adv = torch.randn(1, tokens, device=DEVICE, generator=gen)
 
-    def step(self, fn: Callable, entropy: bool, opt: torch.optim.Optimizer) -> float:
+    def step(self, fn: Callable, entropy: bool, opt: torch.optim.Optimizer) -> None:
         with contextlib.ExitStack() as stack:
             for name, value in getattr(fn, "env", {}).items():
                 stack.enter_context(env_set(name, value))
@@ -378,7 +378,6 @@ class Cell:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach()) if DEVICE == "cpu" else 0.0
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -103,18 +103,10 @@ _COUNTING: list[Counts] = []
 @contextlib.contextmanager
 def fakes() -> Iterator[None]:
     """The CUDA path on fake CPU tensors (see the top), everything changed put back after."""
+    from unittest import mock
+
     from triton.runtime.jit import KernelInterface
     from triton.tools import tensor_descriptor
-
-    saved = (
-        KernelInterface.__getitem__,
-        set(fp32out.TRITON_DEVICE_TYPES),
-        dict(fp32out._SUPPORT),
-        dict(cl._ADDMM_SUPPORT),
-        gemm_lse_triton.usable,
-        tensor_descriptor.TensorDescriptor,
-        prime_head.uniform,
-    )
 
     def launch(kernel, grid):
         name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
@@ -130,25 +122,19 @@ def fakes() -> Iterator[None]:
         def from_tensor(tensor, block):
             return None
 
-    KernelInterface.__getitem__ = launch
-    fp32out.TRITON_DEVICE_TYPES.add("cpu")
-    for dtype in ("bfloat16", "float16"):
-        fp32out._SUPPORT[("cpu", dtype)] = True
-        cl._ADDMM_SUPPORT[("cpu", f"torch.{dtype}")] = True
-    gemm_lse_triton.usable = lambda x, w: x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    tensor_descriptor.TensorDescriptor = Descriptor
-    prime_head.uniform = lambda temps: step.TEMPERATURE
-    try:
+    sixteen = ("bfloat16", "float16")
+    with contextlib.ExitStack() as stack:
+        for target, name, value in (
+            (KernelInterface, "__getitem__", launch),
+            (fp32out, "TRITON_DEVICE_TYPES", {*fp32out.TRITON_DEVICE_TYPES, "cpu"}),
+            (gemm_lse_triton, "usable", lambda x, w: x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)),
+            (tensor_descriptor, "TensorDescriptor", Descriptor),
+            (prime_head, "uniform", lambda temps: step.TEMPERATURE),
+        ):
+            stack.enter_context(mock.patch.object(target, name, value))
+        stack.enter_context(mock.patch.dict(fp32out._SUPPORT, {("cpu", d): True for d in sixteen}))
+        stack.enter_context(mock.patch.dict(cl._ADDMM_SUPPORT, {("cpu", f"torch.{d}"): True for d in sixteen}))
         yield
-    finally:
-        KernelInterface.__getitem__ = saved[0]
-        fp32out.TRITON_DEVICE_TYPES.clear()
-        fp32out.TRITON_DEVICE_TYPES.update(saved[1])
-        fp32out._SUPPORT.clear()
-        fp32out._SUPPORT.update(saved[2])
-        cl._ADDMM_SUPPORT.clear()
-        cl._ADDMM_SUPPORT.update(saved[3])
-        gemm_lse_triton.usable, tensor_descriptor.TensorDescriptor, prime_head.uniform = saved[4:]
 
 
 def _fake_model(name: str, impl: str) -> torch.nn.Module:
@@ -167,24 +153,15 @@ def _fake_model(name: str, impl: str) -> torch.nn.Module:
             setattr(torch.Tensor, n, fn)
 
 
-class _Batch:
-    """bench/step.py's Cell without values: the ids, the targets and the advantages."""
+class _Batch(step.Cell):
+    """bench/step.py's Cell without values: the ids, the targets and the advantages as fake
+    tensors (a generator would want values); its step is the Cell's."""
 
     def __init__(self, model: torch.nn.Module, tokens: int) -> None:
         self.model = model
         self.ids = torch.empty((1, tokens), dtype=torch.long)
         self.targets = torch.empty((1, tokens), dtype=torch.long)
         self.adv = torch.empty((1, tokens))
-
-    def step(self, fn, entropy: bool, opt: torch.optim.Optimizer) -> None:
-        """bench/step.py's ``Cell.step`` (its loss is not read: a fake tensor has no value)."""
-        logp, ent = fn(self.model, self.ids, self.targets, entropy)
-        loss = -(self.adv * logp).mean()
-        if ent is not None:
-            loss = loss - step.ENTROPY_COEF * ent.mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def measure(model: torch.nn.Module, opt, batch: _Batch, name: str, entropy: bool, count: bool = True) -> dict:

@@ -106,6 +106,7 @@ class ChunkedLogProbs:
         if operand is weight and hasattr(weight, "ds_id"):
             # a ZeRO-3 parameter may be partitioned (emptied) again before the backward reads it
             operand = weight.clone()
+        rows, width = tile(targets.numel(), operand.shape[0], operand.shape[1])
         # the scale multiplies the logits before the temperature divides them: one fp32 division
         result = chunked_logprobs(
             hidden.to(dtype),
@@ -114,8 +115,8 @@ class ChunkedLogProbs:
             mode=self.mode,
             temperature=float(temperature) / float(logit_scale),
             entropy="entropy" in outputs,
-            chunk_rows=TILE[0],
-            chunk_vocab=tile(targets.numel(), operand.shape[0], operand.shape[1])[1],
+            chunk_rows=rows,
+            chunk_vocab=width,
         )
         log_probs, entropy = result if "entropy" in outputs else (result, None)
         return log_probs, entropy, None, None, None
