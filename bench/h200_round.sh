@@ -22,9 +22,13 @@
 #    written after every cell, and the next call takes 1.5B and 3B;
 # 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py).
 set -u
+# the device brings back at most 8 files: the parts write under $WORK, and everything is packed
+# into $OUT/round.tar.gz after every part (a part cut off by the call's limit loses nothing earlier)
 OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-python - <<'EOF' | tee "$OUT/machine.txt"
+WORK=${WORK:-/tmp/fp32patch-round}
+mkdir -p "$OUT" "$WORK"
+pack() { tar czf "$OUT/round.tar.gz.tmp" -C "$WORK" . && mv "$OUT/round.tar.gz.tmp" "$OUT/round.tar.gz"; }
+python - <<'EOF' | tee "$WORK/machine.txt"
 import torch, platform
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
@@ -32,21 +36,22 @@ print("device", name)
 # the card names the JSON files (the lent machine may be an H100: results say which card gave them)
 print("card tag:", next((c for c in ("h200", "h100", "b200", "a100") if c in name.lower()), "gpu"))
 EOF
-TAG=$(sed -n 's/^card tag: //p' "$OUT/machine.txt")
+TAG=$(sed -n 's/^card tag: //p' "$WORK/machine.txt")
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
     local name=$1 limit=$2
     shift 2
     local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit)" | tee -a "$OUT/parts.txt"
-    tail -n 25 "$OUT/$name.log"
+    timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit)" | tee -a "$WORK/parts.txt"
+    tail -n 25 "$WORK/$name.log"
+    pack
 }
 part gpu-tests 110 python -m pytest -q -p no:cacheprovider tests/gpu
 part head 190 python bench/step.py --head --models 0.5B-tied 1.5B-untied --tokens 1024 2048 4096 8192 16384 \
-    --out "$OUT/step-head-$TAG.json"
-part rule 15 python bench/step.py --rule "$OUT/step-head-$TAG.json"
-part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$OUT/step-head-host-$TAG.json"
-part step 165 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
+    --out "$WORK/step-head-$TAG.json"
+part rule 15 python bench/step.py --rule "$WORK/step-head-$TAG.json"
+part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$WORK/step-head-host-$TAG.json"
+part step 160 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
     --ways stock fp32patch fp32patch-recompute verl-fused nemo-fused trl-chunked fp32patch-trl prime-rl-fused fp32patch-prime-rl \
-    --out "$OUT/step-grid-$TAG.json"
-part prime-rl-head 80 python bench/prime_rl_head.py --out "$OUT/prime-rl-head-$TAG.json"
+    --out "$WORK/step-grid-$TAG.json"
+part prime-rl-head 80 python bench/prime_rl_head.py --out "$WORK/prime-rl-head-$TAG.json"
