@@ -4,6 +4,7 @@
 # as it goes, and a part that runs out of time leaves what it measured).
 #
 #   bash bench/h200_round.sh            # on the device machine, in the repository root; $OUT: where results go
+#   bash bench/h200_round.sh 2          # the second call: the larger shapes and longer contexts
 #
 # In the order of what the open issues need most (a call cut short keeps the parts before):
 # 3, 1, 4, 2, 2b.
@@ -24,13 +25,18 @@
 #    device's busy time per step beside the wall time (such a step is host-bound); the JSON is
 #    written after every cell, and the next call takes 1.5B and 3B;
 # 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py).
+#
+# The second call (argument 2): the whole step, stock against fp32patch, over the larger shapes
+# and longer contexts issue 44 asks for: 1.5B untied and 3B tied at 1k, 4k and 16k tokens
+# (entropy off and on), 0.5B tied at 16k and 64k, 7B untied at 4k (entropy off).
 set -u
+ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
-# into $OUT/round.tar.gz after every part (a part cut off by the call's limit loses nothing earlier)
+# into $OUT/round$ROUND.tar.gz after every part (a part cut off by the call's limit loses nothing earlier)
 OUT=${OUT:-bench/out}
-WORK=${WORK:-/tmp/fp32patch-round}
+WORK=${WORK:-/tmp/fp32patch-round$ROUND}
 mkdir -p "$OUT" "$WORK"
-pack() { tar czf "$OUT/round.tar.gz.tmp" -C "$WORK" . && mv "$OUT/round.tar.gz.tmp" "$OUT/round.tar.gz"; }
+pack() { tar czf "$OUT/round$ROUND.tar.gz.tmp" -C "$WORK" . && mv "$OUT/round$ROUND.tar.gz.tmp" "$OUT/round$ROUND.tar.gz"; }
 python - <<'EOF' | tee "$WORK/machine.txt"
 import torch, platform
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
@@ -49,6 +55,15 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 2 ]; then
+    part mid 330 python bench/step.py --models 1.5B-untied 3B-tied --tokens 1024 4096 16384 \
+        --ways stock fp32patch --out "$WORK/step-grid-mid-$TAG.json"
+    part long 150 python bench/step.py --models 0.5B-tied --tokens 16384 65536 \
+        --ways stock fp32patch --out "$WORK/step-grid-long-$TAG.json"
+    part big 100 python bench/step.py --models 7B-untied --tokens 4096 --entropy off \
+        --ways stock fp32patch --out "$WORK/step-grid-7b-$TAG.json"
+    exit 0
+fi
 part step 160 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
     --ways stock fp32patch fp32patch-recompute verl-fused nemo-fused trl-chunked fp32patch-trl prime-rl-fused fp32patch-prime-rl \
     --out "$WORK/step-grid-$TAG.json"
