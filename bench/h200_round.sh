@@ -7,7 +7,7 @@
 #   bash bench/h200_round.sh 2          # the second call: the larger shapes and longer contexts
 #
 # In the order of what the open issues need most (a call cut short keeps the parts before):
-# 3, 1, 4, 2, 2b.
+# 3, 1, 4, 2, 5, 2b.
 #
 # 1. the CUDA tests (tests/gpu), stopping at nothing (-x would hide the tests after a failure);
 # 2. the log-prob head alone per tile with the one-tile kept logits (bench/step.py --head) at the
@@ -24,7 +24,11 @@
 #    own tile shape; Prime-RL's), with the
 #    device's busy time per step beside the wall time (such a step is host-bound); the JSON is
 #    written after every cell, and the next call takes 1.5B and 3B;
-# 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py).
+# 4. Prime-RL's bf16 FusedOutputLinear shape against fp32patch's head (bench/prime_rl_head.py),
+#    its 8192-token shape (the 32768 one is the next call's: 80 s did not finish both, 2026-12-05);
+# 5. where a host-bound step's time goes (torch.profiler, 0.5B tied at 4k): the H100 round of
+#    2026-12-05 found the recomputing way ~4% slower in wall time than stock with less device
+#    time, and each vocabulary block costing ~0.7 ms of host time at 16 tokens.
 #
 # The second call (argument 2): the whole step, stock against fp32patch, over the larger shapes
 # and longer contexts issue 44 asks for: 1.5B untied and 3B tied at 1k, 4k and 16k tokens
@@ -68,8 +72,10 @@ part step 160 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
     --ways stock fp32patch fp32patch-recompute verl-fused nemo-fused trl-chunked fp32patch-trl prime-rl-fused fp32patch-prime-rl \
     --out "$WORK/step-grid-$TAG.json"
 part gpu-tests 110 python -m pytest -q -p no:cacheprovider tests/gpu
-part prime-rl-head 80 python bench/prime_rl_head.py --out "$WORK/prime-rl-head-$TAG.json"
+part prime-rl-head 80 python bench/prime_rl_head.py --tokens 8192 --out "$WORK/prime-rl-head-$TAG.json"
 part head 190 python bench/step.py --head --models 0.5B-tied 1.5B-untied --tokens 1024 2048 4096 8192 16384 \
     --out "$WORK/step-head-$TAG.json"
 part rule 15 python bench/step.py --rule "$WORK/step-head-$TAG.json"
+part profile 45 python bench/step.py --models 0.5B-tied --tokens 4096 --entropy off \
+    --ways stock fp32patch fp32patch-recompute verl-fused --profile --profile-dir "$WORK/profiles"
 part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$WORK/step-head-host-$TAG.json"

@@ -235,12 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-ms", type=float, default=300.0, help="timed milliseconds per timing, at least")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the median is reported")
     parser.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="only the shapes of these token counts")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run; times not worth reading)")
     args = parser.parse_args(argv)
     if args.cpu or not torch.cuda.is_available():
         lm_head.DEVICE = "cpu"
         args.min_ms = 0.0
-    shapes = QUICK if args.quick else SHAPES
+    known = QUICK if args.quick else SHAPES
+    shapes = [s for s in known if not args.tokens or s[0] in args.tokens]
+    if not shapes:
+        parser.error(f"--tokens: no shape of {args.tokens} tokens; the shapes: {known}")
     results = {
         "settings": {**{k: str(v) for k, v in vars(args).items()}, "rounds": args.rounds, "chunk": CHUNK},
         "machine": {
@@ -248,11 +252,13 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"),
         },
-        "shapes": [measure_shape(t, h, v, args) for t, h, v in shapes],
+        "shapes": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(table(results))
+    for t, h, v in shapes:  # written and printed after every shape: a run cut short keeps what it measured
+        results["shapes"].append(measure_shape(t, h, v, args))
+        args.out.write_text(json.dumps(results, indent=2))
+        print(table({"shapes": results["shapes"][-1:]}), flush=True)
     return 0
 
 

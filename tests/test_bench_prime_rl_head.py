@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import lm_head, prime_rl_head
 
 
@@ -27,3 +29,15 @@ def test_the_benchmark_runs_its_ways_and_writes_its_json(tmp_path, monkeypatch):
         assert theirs["fwd_bwd_ratio"] == 1.0 and ours["fwd_bwd_ms"] > 0
     # the per-sample case has two temperatures: its bf16 error is not the one-temperature case's
     assert ways["prime-rl bf16, per-sample T"]["mean_abs_dlogp"] != ways["prime-rl bf16"]["mean_abs_dlogp"]
+
+
+def test_tokens_picks_the_shapes_and_refuses_one_it_does_not_have(tmp_path, capsys):
+    out = tmp_path / "prime-rl-head.json"
+    quick = ["--cpu", "--quick", "--rounds", "1", "--iters", "1", "--warmup", "0", "--out", str(out)]
+    assert prime_rl_head.main([*quick, "--tokens", "128"]) == 0
+    assert [s["shape"]["tokens"] for s in json.loads(out.read_text())["shapes"]] == [128]
+    out.unlink()
+    with pytest.raises(SystemExit) as stop:
+        prime_rl_head.main([*quick, "--tokens", "5"])
+    assert stop.value.code == 2
+    assert "no shape of [5] tokens" in capsys.readouterr().err and not out.exists()
