@@ -768,7 +768,12 @@ def table(results: dict) -> str:
     def row(a: dict, b: dict) -> list[str]:
         ta = "out of memory" if a.get("oom") else _ms(a["ms"])
         tb = "out of memory" if b.get("oom") else _ms(b["ms"])
-        ratio = "—" if a.get("oom") or b.get("oom") else f"{b['ms'] / a['ms']:.3f}"
+        ratio = "—"
+        if not (a.get("oom") or b.get("oom")):
+            ratio = f"{b['ms'] / a['ms']:.3f}"
+            if len(a.get("ms_steps", [])) > 1 and len(b.get("ms_steps", [])) > 1:
+                low, high = ratio_interval(a["ms_steps"], b["ms_steps"])
+                ratio += f" ({low:.2f}-{high:.2f})"
         busy, busy_ratio = "—", "—"
         if a.get("device_ms") is not None and b.get("device_ms") is not None:
             busy = f"{_ms(a['device_ms'])} → {_ms(b['device_ms'])}"
@@ -777,8 +782,26 @@ def table(results: dict) -> str:
         pb = "OOM" if b.get("oom") else f"{b['peak_gib']:.1f}"
         return [ta, tb, ratio, busy, busy_ratio, f"{pa} → {pb}"]
 
-    columns = ["stock step", "fp32patch step", "ratio", "device busy: stock → fp32patch", "ratio"]
+    columns = ["stock step", "fp32patch step", "ratio (90%)", "device busy: stock → fp32patch", "ratio"]
     return pair_tables(results, [*columns, "peak GiB stock → fp32patch"], row)
+
+
+def ratio_interval(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 90% bootstrap interval of median(b) / median(a) from two ways' timed steps: what the
+    spread of a host-bound step lets a ratio claim (the table's ratio column holds it in
+    parentheses)."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a))) for _ in range(draws)
+    )
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
+
+
+def merged(paths: list[str]) -> dict:
+    """The cells of several grid runs' JSON files, in the order given (``--table``)."""
+    return {"cells": [cell for path in paths for cell in json.loads(Path(path).read_text())["cells"]]}
 
 
 def _ms(ms: float) -> str:
@@ -797,11 +820,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU: tiny models, short sequences")
     ap.add_argument("--head", action="store_true", help="the log-prob head alone, per tile (choose_tiles' basis)")
     ap.add_argument("--head-iters", type=int, default=10)
+    ap.add_argument("--table", nargs="+", metavar="GRID_JSON", help="print the tables of grid runs' JSON; no run")
     ap.add_argument("--rule", metavar="HEAD_JSON", help="print choose_tiles' table from a --head run's JSON; no run")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of each way's step")
     ap.add_argument("--profile-rows", type=int, default=25)
     ap.add_argument("--profile-dir", help="write each profile table here too")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(merged(args.table)))
+        return 0
     if args.rule:
         measured = json.loads(Path(args.rule).read_text())
         for (hdim, tokens), tile in rule_from_head(measured).items():

@@ -6,6 +6,7 @@ others still run; choose_tiles' table comes out of a head sweep's numbers."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -196,3 +197,29 @@ def test_choose_tiles_gives_the_measured_defaults_and_explicit_tiles_win() -> No
         x, w, torch.zeros(5, dtype=torch.long), "fp32out", 1.0, False, None, None, False, False, 2, None
     )
     assert (plan.chunk_rows, plan.chunk_vocab) == (2, choose_tiles(5, 11, 8)[1])
+
+
+def test_table_reads_grid_files_and_gives_each_wall_ratio_its_interval(tmp_path, capsys) -> None:
+    def way(steps, device, peak):
+        return {"ms_steps": steps, "ms": statistics.median(steps), "device_ms": device, "peak_gib": peak}
+
+    tight = [100.0, 101.0, 99.0, 100.5]
+    cells = [
+        {"model": "m", "tokens": 1024, "entropy": False, "tiles": [1, 1],
+         "ways": {"stock": way(tight, 30.0, 4.6), "fp32patch": way([x * 1.5 for x in tight], 24.0, 4.5)}},
+        {"model": "m", "tokens": 4096, "entropy": True, "tiles": [1, 1],
+         "ways": {"stock": way([100.0, 180.0, 60.0, 240.0], 77.0, 10.0), "fp32patch": way([101.0, 99.0, 240.0, 70.0], 68.0, 7.7)}},
+    ]  # fmt: skip
+    paths = []
+    for i, cell in enumerate(cells):
+        paths.append(tmp_path / f"grid{i}.json")
+        paths[-1].write_text(json.dumps({"cells": [cell]}))
+    assert step.main(["--table", *map(str, paths)]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "| m | 1,024 | off | 100.2 ms | 150.4 ms | 1.500 (1.48-1.52) | 30.0 ms → 24.0 ms | 0.800 | 4.6 → 4.5 |" in text
+    )
+    # a host-bound spread: the interval is wide, and holds the ratio of medians
+    wide = step.ratio_interval([100.0, 180.0, 60.0, 240.0], [101.0, 99.0, 240.0, 70.0])
+    assert wide[0] < 100.0 / 140.0 < wide[1] and wide[1] - wide[0] > 0.5
+    assert f"| m | 4,096 | on | 140.0 ms | 100.0 ms | 0.714 ({wide[0]:.2f}-{wide[1]:.2f}) |" in text
