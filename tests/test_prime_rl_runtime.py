@@ -138,6 +138,31 @@ def test_the_fused_kinds_against_float64_and_their_stock_error(heads, kind, soft
     assert model.lm_head.weight.grad.dtype == torch.bfloat16 and torch.isfinite(xg.grad).all()
 
 
+def test_the_fused_head_tiles_hold_no_more_logits_than_prime_rls_own_step_holds(monkeypatch):
+    from fp32patch.runtime.kernels import chunked_logprobs as cl
+
+    seen = {}
+    real = cl.chunked_logprobs
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cl, "chunked_logprobs", spy)
+    x = torch.randn(1, 23, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+    w = torch.randn(300, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    prime_head.fused_logprobs(x, w, torch.zeros(1, 23, dtype=torch.long), torch.full((1, 23), 0.7), "fp32out", None, 5)
+    # the head's token chunk, and the widest vocabulary block within the budget: the whole vocabulary here
+    assert (seen["chunk_rows"], seen["chunk_vocab"]) == (5, 300)
+    # Qwen2's vocabulary (bench/RESULTS.md, the H100 step of 2026-12-05): 8192 x 30400 tiles held
+    # the step over Prime-RL's own at 4,096 tokens; within the budget, 7 blocks, 8 bytes a logit
+    rows, width = cl.choose_tiles(4096, 151936, 896, rows=8192, logits=prime_head.TILE_LOGITS)
+    assert width == 21760 and min(rows, 4096) * width * 8 <= 0.7 * 2**30 < 0.75 * 2**30
+    for tokens in (1024, 4096, 8192, 65536):
+        rows, width = cl.choose_tiles(tokens, 151936, 896, rows=8192, logits=prime_head.TILE_LOGITS)
+        assert min(rows, tokens) * width <= prime_head.TILE_LOGITS
+
+
 @pytest.mark.parametrize(("kind", "softcap"), [("VanillaOutputLinear", None), ("GemmaVanillaOutputLinear", 5.0)])
 def test_the_vanilla_kinds_give_fp32_logits_capped_in_fp32(heads, kind, softcap):
     model = build(heads, kind, softcap)

@@ -236,12 +236,14 @@ def test_trls_path_takes_the_tile_measured_against_trls_own(monkeypatch):
     monkeypatch.setattr(cl, "chunked_logprobs", spy)
     h, w, t = _inputs(weight_dtype=torch.bfloat16)
     ChunkedLogProbs("fp32out").apply(h.bfloat16(), w, None, t, 1.0, 4096, outputs=("log_probs",))
-    # TRL's chunk_size is not ours: the tile is TRL's own shape, widened for a short call within
-    # its logits (bench/RESULTS.md: 8192 x 32768 held a step over TRL's peak)
+    # TRL's chunk_size is not ours: the tile has TRL's own rows and fewer logits (ours hold 8 bytes
+    # a logit at the backward's peak, TRL's about 6: bench/RESULTS.md, the H100 step of 2026-12-05),
+    # widened for a short call within them
     assert fused.TILE == (4096, 32768)
     assert (seen["chunk_rows"], seen["chunk_vocab"]) == fused.tile(t.numel(), w.shape[0], w.shape[1])
-    assert fused.tile(16384, 151936, 896) == fused.TILE
-    assert fused.tile(1024, 151936, 896) == (4096, 75968)  # two blocks instead of five
+    assert fused.tile(16384, 151936, 896) == (4096, 22528)
+    assert 8 * 4096 * 22528 <= 0.7 * 2**30 < 0.76 * 2**30  # TRL's tile cost its step 0.76 GiB
+    assert fused.tile(1024, 151936, 896) == (4096, 75968)  # two blocks instead of seven
 
 
 def test_a_logit_scale_multiplies_the_logits_before_the_temperature_divides_them():

@@ -306,11 +306,14 @@ def keeps_logits(tokens: int, vocab: int) -> bool:
     return 0 < tokens * vocab * 4 <= limit
 
 
-def choose_tiles(tokens: int, vocab: int, hidden: int, rows: int = DEFAULT_CHUNK_ROWS) -> tuple[int, int]:
+def choose_tiles(
+    tokens: int, vocab: int, hidden: int, rows: int = DEFAULT_CHUNK_ROWS, logits: int = TILE_LOGITS
+) -> tuple[int, int]:
     """The tile (tokens, vocabulary entries) a call without ``chunk_rows`` / ``chunk_vocab``
     gets, for ``tokens`` rows of a ``vocab`` x ``hidden`` head (this rank's shard under tensor
     parallelism), when it does not keep its logits; ``rows``: tiles of that many tokens (TRL's
-    path: 4096, TRL's own), each as wide as ``TILE_LOGITS`` allows.
+    path: 4096, TRL's own), each as wide as ``logits`` allows (a caller replacing a stack's own
+    chunked path whose tiles hold less than ours passes a smaller budget: TRL's, Prime-RL's).
 
     A tile holds at most ``TILE_LOGITS`` logits (8192 x 16384, the tile measured at 16k and 64k
     tokens of a 7B head: bench/RESULTS.md, "Fused log-prob paths"), and a call takes as few
@@ -321,12 +324,12 @@ def choose_tiles(tokens: int, vocab: int, hidden: int, rows: int = DEFAULT_CHUNK
     one, the stock head 4.0), and the step's peak memory (bench/step_counts.py) holds the tile
     and its 16-bit copies in the backward, 8 bytes a logit: the budget keeps that at or under
     the long-context tile's, under what the stacks' own chunked paths hold at their peaks."""
-    base = max(1, TILE_LOGITS // rows)  # a full tile's width
-    widest = max(base, TILE_LOGITS // max(1, min(tokens, rows)))
-    if widest == base:
-        return rows, base
+    base = max(1, logits // rows)  # a full tile's width
+    widest = max(base, logits // max(1, min(tokens, rows)))
     if widest >= vocab:
         return rows, max(1, vocab)
+    if widest == base:
+        return rows, base
     blocks = -(-vocab // widest)
     width = -(-vocab // blocks)
     width = -(-width // 64) * 64  # rows of 16-bit copies 128-byte aligned

@@ -80,12 +80,21 @@ def vanilla_logits(hidden: Any, weight: Any, mode: str, softcap: float | None) -
     return logits
 
 
+# The logits one of our tiles may hold here (8 bytes each at the backward's peak): Prime-RL's own
+# head held a step of a 0.5B model at 4,096 tokens 0.75 GiB over what the step holds besides the
+# head's tiles, on an H100 (2026-12-05, bench/RESULTS.md), where our 8192 x 30400 tiles held it
+# 0.17 GiB over Prime-RL's. 4096 x 22528 logits: 0.69 GiB, under Prime-RL's with a margin for
+# what was not measured (other models, other token counts).
+TILE_LOGITS = 4096 * 22528
+
+
 def fused_logprobs(hidden: Any, weight: Any, labels: Any, temperature: Any, mode: str, softcap: Any, chunk: int):
     """Log-probs and entropy [B, S] of each label under the capped, temperature-scaled fp32 logits."""
-    from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
+    from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles, chunked_logprobs
 
     b, s, h = hidden.shape
     weight = compute_weight(weight)
+    width = choose_tiles(b * s, weight.shape[0], h, rows=chunk, logits=TILE_LOGITS)[1]
     temps = temperature.reshape(b * s)
     logprobs, entropy = chunked_logprobs(
         hidden.reshape(b * s, h),
@@ -96,6 +105,7 @@ def fused_logprobs(hidden: Any, weight: Any, labels: Any, temperature: Any, mode
         entropy=True,
         softcap=softcap,
         chunk_rows=chunk,
+        chunk_vocab=width,
     )
     return logprobs.reshape(b, s), entropy.reshape(b, s)
 

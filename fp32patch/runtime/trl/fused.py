@@ -61,13 +61,18 @@ def mark(model: Any, mode: str, *, role: str) -> Any:
 # at 16k tokens of a 0.5B model (bench/step_counts.py, 2026-12-05): twice TRL's tile of logits,
 # 8 bytes each in the backward. TRL's tile holds it at TRL's peak; its time is the GPU's to say.
 TILE = (4096, 32768)
+# The logits one of our tiles may hold: TRL's tile cost its step 0.76 GiB at the backward's peak
+# (about 6 bytes a logit), ours cost 8 bytes a logit (an H100 step of a 0.5B model at 4,096
+# tokens, 2026-12-05, bench/RESULTS.md: TRL's own tile held the step 0.24 GiB under ours of the
+# same shape). 4096 x 22528 logits: 0.69 GiB, under TRL's with a margin for what was not measured.
+TILE_LOGITS = TILE[0] * 22528
 
 
 def tile(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
     """The tile a call of ``tokens`` rows over a ``vocab``-entry head takes."""
     from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles
 
-    return choose_tiles(tokens, vocab, hidden, rows=TILE[0])
+    return choose_tiles(tokens, vocab, hidden, rows=TILE[0], logits=TILE_LOGITS)
 
 
 class ChunkedLogProbs:
