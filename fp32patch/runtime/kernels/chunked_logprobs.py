@@ -715,6 +715,11 @@ def _backward(
         row_spans = _spans(x.shape[0], plan.chunk_rows)
         # one tile in a block: its weight gradient comes out of the GEMM in the weight's dtype
         share_dtype = weight.dtype if len(row_spans) == 1 else torch.float32
+        # one tile of rows: its fp16 copy for the weight gradient's GEMM is made once and serves
+        # every vocabulary block (two launches and a read of x fewer a block, the host time of a
+        # short call); with several, each block makes its tile's again (holding all of them would
+        # hold a copy of x through the backward)
+        x_scaled: dict | None = {} if len(row_spans) == 1 else None
         for v0, v1 in vocab_spans:
             block = weight[v0:v1]
             acc = None if main_grad is None else main_grad[v0:v1]
@@ -728,7 +733,9 @@ def _backward(
                 )  # fmt: skip
                 dx_rows = None if dx is None else dx[rows]
                 kept = None if logits is None else logits[rows, v0:v1]
-                acc = _tile_backward(plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype, kept)
+                acc = _tile_backward(
+                    plan, x[rows], block, row_grads, dx_rows, need_dw, acc, share_dtype, kept, x_scaled
+                )
             if whole:
                 dw = acc.to(weight.dtype)  # (acc is in the weight's dtype already unless several row tiles)
             elif dw is not None:
@@ -755,7 +762,9 @@ class _RowGrads:
 _FUSED_MODES = ("fp32out", "fp32out-bf16grad")
 
 
-def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bool, acc, dw_dtype, kept=None):
+def _tile_backward(
+    plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bool, acc, dw_dtype, kept=None, x_scaled=None
+):
     """One tile's share of the gradients, in the plan's mode: its logits computed again and
     turned into the gradient with respect to them, then ``lm_head_gemm``'s backward GEMMs. The
     input gradient is added into the fp32 ``dx_rows`` (None: not wanted). Returns the weight
@@ -771,7 +780,9 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bo
     accumulated in fp32 in the GEMM (``addmm``) or by fp32out's unscale kernel.
 
     ``kept``: the tile's logits as the forward kept them (a view of its fp32 logits), read and
-    never written (a graph kept for a second backward sees them whole); None: computed here."""
+    never written (a graph kept for a second backward sees them whole); None: computed here.
+    ``x_scaled``: a dict that keeps ``xr``'s scaled fp16 copy for the next call with the same
+    ``xr`` (None: made for this call alone)."""
     import torch
 
     from fp32patch.runtime.kernels import fp32out
@@ -796,7 +807,7 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bo
     if scaled:
         amax = torch.zeros(tile.shape[1], dtype=torch.float32, device=tile.device)
         kernels.grad(tile, *args, in_place=False, amax=amax)
-        scale = fp32out._pow2_scale(amax)
+        scale = fp32out.pow2_scales(amax)
         g16 = torch.empty(tile.shape, dtype=torch.float16, device=tile.device)
     if dx_rows is not None or not scaled:
         plain = torch.empty(tile.shape, dtype=block.dtype, device=tile.device)
@@ -811,7 +822,12 @@ def _tile_backward(plan: _Plan, xr, block, rows: _RowGrads, dx_rows, want_dw: bo
         # without an accumulator, the unscale pass writes the share in dw_dtype (in place on
         # the fp32 product when that is fp32): nothing to zero, nothing to add
         out_dtype = torch.float32 if acc is not None else dw_dtype
-        return fp32out._scaled_product((g16.t(), scale.view(-1, 1)), xr, out_dtype, acc)
+        x16 = None if x_scaled is None else x_scaled.get("x")
+        if x16 is None:
+            x16, _ = fp32out._fp16_by_column(xr)
+            if x_scaled is not None:
+                x_scaled["x"] = x16
+        return fp32out._scaled_product((g16.t(), scale.view(-1, 1)), xr, out_dtype, acc, b_scaled=x16)
     if acc is None:
         return fp32out.mm(plain.t(), xr).to(dw_dtype)
     _accumulate_product(acc, plain.t(), xr)

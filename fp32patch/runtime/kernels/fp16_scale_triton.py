@@ -139,13 +139,21 @@ def column_scales(a: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = a.shape[1]
-    amax = torch.linalg.vector_norm(a, float("inf"), dim=0).float()
-    scale = torch.empty(n, dtype=torch.float32, device=a.device)
+    return scales(torch.linalg.vector_norm(a, float("inf"), dim=0).float()).view(1, n)
+
+
+def scales(amax: torch.Tensor) -> torch.Tensor:
+    """``fp32out._pow2_scale(amax)`` for a contiguous fp32 ``amax`` [N], in one launch (the
+    torch formula is a dozen small operations: host time a short call notices)."""
+    import torch
+
+    n = amax.numel()
+    scale = torch.empty(n, dtype=torch.float32, device=amax.device)
     if n:
         _KERNELS["scales"][(_KERNELS["cdiv"](n, _SCALES_BL),)](
             amax.view(torch.int32), scale, n, BL=_SCALES_BL, num_warps=_SCALES_WARPS
         )
-    return scale.view(1, n)
+    return scale
 
 
 def convert(

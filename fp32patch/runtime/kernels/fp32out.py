@@ -135,6 +135,15 @@ def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(shift.float())
 
 
+def pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """``_pow2_scale(amax)`` for an fp32 ``amax`` [N]: one Triton launch where the Triton
+    kernels run, the torch formula elsewhere; the same bits."""
+    kernels = _triton_kernels(amax) if amax.numel() else None
+    if kernels is not None:
+        return kernels.scales(amax.contiguous())
+    return _pow2_scale(amax)
+
+
 def _fp16_by_column(a: torch.Tensor, plain_dtype: torch.dtype | None = None) -> tuple[Scaled, torch.Tensor | None]:
     """``a`` in fp16 multiplied by a power of two per column: (a16, scale) with ``a ~= a16 /
     scale``, scale [1, N]; and, if ``plain_dtype`` is given, ``a.to(plain_dtype)``.
@@ -160,12 +169,15 @@ def _scaled_product(
     b: torch.Tensor,
     out_dtype: torch.dtype,
     accumulate_into: torch.Tensor | None = None,
+    b_scaled: Scaled | None = None,
 ) -> torch.Tensor:
     """``a @ b`` for a row-scaled fp16 ``a`` = (a16, scale [M, 1]) and a 16-bit ``b``: ``b``
     in fp16 scaled per column, one fp16 GEMM with fp32 output, scales undone, then cast to
-    ``out_dtype`` or added into the fp32 ``accumulate_into``, which is then returned."""
+    ``out_dtype`` or added into the fp32 ``accumulate_into``, which is then returned.
+    ``b_scaled``: ``b``'s scaled copy as ``_fp16_by_column(b)`` gave it, for a caller that
+    multiplies one ``b`` by several ``a`` (the chunked head's vocabulary blocks)."""
     a16, row_scale = a
-    (b16, col_scale), _ = _fp16_by_column(b)
+    (b16, col_scale) = b_scaled if b_scaled is not None else _fp16_by_column(b)[0]
     out = mm(a16, b16)
     kernels = _triton_kernels(out)
     if kernels is not None:

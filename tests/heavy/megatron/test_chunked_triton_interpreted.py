@@ -266,3 +266,24 @@ def test_kept_logits_are_read_not_written_by_the_backward(calls):
     loss.backward()
     assert calls["grad"] == 4  # two passes per backward, on the kept tile
     assert torch.equal(xl.grad, first[0]) and torch.equal(wl.grad, first[1])
+
+
+@only_interpreted
+def test_the_scales_kernel_gives_the_torch_formulas_bits(monkeypatch):
+    # the backward takes a tile's scales from its column maxima in one launch (pow2_scales):
+    # every binade, the clamps at both ends, subnormals, and 0, inf, NaN (which get 1)
+    from fp32patch.runtime.kernels import fp16_scale_triton
+
+    monkeypatch.setattr(fp32out, "TRITON_DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.delenv(fp32out.TRITON_ENV_VAR, raising=False)
+    assert fp16_scale_triton.load()
+    powers = torch.tensor([2.0**e for e in range(-149, 128)])
+    amax = torch.cat(
+        [powers, powers * 1.7, powers * 0.75, torch.tensor([0.0, float("inf"), float("nan"), 65504.0, 3.4e38])]
+    ).float()
+    seen = []
+    real = fp16_scale_triton.scales
+    monkeypatch.setattr(fp16_scale_triton, "scales", lambda a: seen.append(1) or real(a))
+    got = fp32out.pow2_scales(amax)
+    assert seen == [1]  # the kernel ran, not the torch formula
+    assert torch.equal(got.view(torch.int32), fp32out._pow2_scale(amax).view(torch.int32))
