@@ -77,6 +77,16 @@ def test_kernels_match_eager_piece_by_piece():
     assert torch.equal(fp16_scale_triton.unscale(p, rs, cs, torch.float32, acc.clone()), acc + expect)
 
 
+def test_scales_from_maxima_give_the_eager_bits():
+    # chunked_logprobs' backward turns a tile's column maxima into scales in one launch
+    powers = torch.tensor([2.0**e for e in range(-149, 128)], device="cuda")
+    amax = torch.cat(
+        [powers, powers * 1.7, powers * 0.75, torch.tensor([0.0, float("inf"), float("nan"), 3.4e38], device="cuda")]
+    ).float()
+    got = fp32out.pow2_scales(amax)
+    assert torch.equal(got.view(torch.int32), fp32out._pow2_scale(amax).view(torch.int32))
+
+
 def test_nan_and_inf_pass_through_as_eagerly(monkeypatch):
     x, w, g = _problem(2, "cross-entropy")
     g[3, 5] = float("nan")
