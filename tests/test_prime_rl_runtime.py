@@ -17,6 +17,7 @@ from fp32patch.runtime.prime_rl import head as prime_head
 from fp32patch.runtime.prime_rl.config import validate_rl_config, validate_trainer_config
 from fp32patch.runtime.prime_rl.probe import hold
 from tests.fixtures.prime_rl_shapes import SRC, forget_prime_rl
+from tests.support import spies
 
 # ---------------------------------------------------------------- the rules
 
@@ -141,14 +142,7 @@ def test_the_fused_kinds_against_float64_and_their_stock_error(heads, kind, soft
 def test_the_fused_head_tiles_hold_no_more_logits_than_prime_rls_own_step_holds(monkeypatch):
     from fp32patch.runtime.kernels import chunked_logprobs as cl
 
-    seen = {}
-    real = cl.chunked_logprobs
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cl, "chunked_logprobs", spy)
+    seen = spies.keyword_arguments(monkeypatch, cl, "chunked_logprobs")
     x = torch.randn(1, 23, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
     w = torch.randn(300, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
     prime_head.fused_logprobs(x, w, torch.zeros(1, 23, dtype=torch.long), torch.full((1, 23), 0.7), "fp32out", None, 5)

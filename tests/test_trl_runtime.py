@@ -27,6 +27,7 @@ from fp32patch.runtime.kit.probe import PROBE_EXTENSION, PROBE_RPC, ProbeWorkerE
 from fp32patch.runtime.trl.config import TrlSettings, validate_fp32_lm_head_config
 from fp32patch.runtime.trl.fused import MARK, ChunkedLogProbs, mark
 from fp32patch.runtime.trl.wiring import WORKER_EXTENSION_FLAG, serve_command, set_vllm_env, wire_trainer
+from tests.support import spies
 from tests.support.tiny_lm import CausalLM
 
 GATE = Path(fp32patch.__file__).parent / "patches" / "snippets" / "trl_gate.py"
@@ -226,14 +227,7 @@ def test_trls_path_takes_the_tile_measured_against_trls_own(monkeypatch):
     from fp32patch.runtime.kernels import chunked_logprobs as cl
     from fp32patch.runtime.trl import fused
 
-    seen = {}
-    real = cl.chunked_logprobs
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cl, "chunked_logprobs", spy)
+    seen = spies.keyword_arguments(monkeypatch, cl, "chunked_logprobs")
     h, w, t = _inputs(weight_dtype=torch.bfloat16)
     ChunkedLogProbs("fp32out").apply(h.bfloat16(), w, None, t, 1.0, 4096, outputs=("log_probs",))
     # TRL's chunk_size is not ours: the tile has TRL's own rows and fewer logits (ours hold 8 bytes
