@@ -424,8 +424,11 @@ def plan(tokens: int) -> tuple[int, int, int]:
     return 1, 2 if tokens >= 65536 else 3, 1
 
 
-def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int) -> dict:
-    warmup, rounds, per_round = plan(tokens)
+def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, rounds: int | None = None) -> dict:
+    """Each way's step times (and device time, peak) at one cell; ``rounds``: more interleaved
+    rounds than ``plan`` gives, for a host-bound step whose ratios need a narrower interval."""
+    warmup, planned, per_round = plan(tokens)
+    rounds = planned if rounds is None else rounds
     out: dict[str, dict] = {}
     live = []
     for name in ways:
@@ -507,7 +510,7 @@ def run_grid(args) -> dict:
             for entropy in args.entropy:
                 t0 = time.perf_counter()
                 cell = Cell(model, tokens, c["vocab"])
-                ways = measure_cell(cell, opt, args.ways, entropy, tokens)
+                ways = measure_cell(cell, opt, args.ways, entropy, tokens, args.rounds)
                 del cell
                 _clean()
                 row = {"model": model_name, "params": params, "tokens": tokens, "entropy": entropy, "tiles": tiles}
@@ -820,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU: tiny models, short sequences")
     ap.add_argument("--head", action="store_true", help="the log-prob head alone, per tile (choose_tiles' basis)")
     ap.add_argument("--head-iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per cell (default: by length)")
     ap.add_argument("--table", nargs="+", metavar="GRID_JSON", help="print the tables of grid runs' JSON; no run")
     ap.add_argument("--rule", metavar="HEAD_JSON", help="print choose_tiles' table from a --head run's JSON; no run")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of each way's step")

@@ -223,3 +223,13 @@ def test_table_reads_grid_files_and_gives_each_wall_ratio_its_interval(tmp_path,
     wide = step.ratio_interval([100.0, 180.0, 60.0, 240.0], [101.0, 99.0, 240.0, 70.0])
     assert wide[0] < 100.0 / 140.0 < wide[1] and wide[1] - wide[0] > 0.5
     assert f"| m | 4,096 | on | 140.0 ms | 100.0 ms | 0.714 ({wide[0]:.2f}-{wide[1]:.2f}) |" in text
+
+
+def test_more_rounds_time_more_steps_of_each_way(cpu: None, monkeypatch) -> None:
+    monkeypatch.setattr(step, "plan", lambda tokens: (1, 2, 2))
+    model = step.build_model("tiny-tied", "torch")
+    cell = step.Cell(model, 16, step.MODELS["tiny-tied"]["vocab"])
+    planned = step.measure_cell(cell, step._optimizer(model), ["stock", "fp32patch"], False, 16)
+    more = step.measure_cell(cell, step._optimizer(model), ["stock", "fp32patch"], False, 16, rounds=5)
+    assert [len(planned[w]["ms_steps"]) for w in ("stock", "fp32patch")] == [4, 4]
+    assert [len(more[w]["ms_steps"]) for w in ("stock", "fp32patch")] == [10, 10]
