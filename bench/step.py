@@ -626,7 +626,10 @@ def rule_from_head(results: dict) -> dict[tuple[int, int], tuple[int, int]]:
     """From a ``--head`` run: for each (hidden, tokens), the tile to use, the one whose slower
     time of entropy off and on is the least among the tiles whose peak stays at or under the
     stock head's in both (any tile when the stock head ran out of memory). A rows or vocabulary
-    of 0 means all of them. This is ``chunked_logprobs.choose_tiles``' table."""
+    of 0 means all of them. This is the time's side of ``chunked_logprobs.choose_tiles``, not
+    its table: the head's own peak is all the rule bounds, and a whole step replacing a stack's
+    chunked path has far less room (the H100 sweep of 2026-12-05 picked whole-vocabulary tiles of
+    9-19 GiB where ``choose_tiles`` keeps tiles of ~1 GiB within 1-4% of their time)."""
     by_shape: dict[tuple[int, int], dict[str, list[dict]]] = {}
     for cell in results["cells"]:
         shape = (cell["hidden"], cell["tokens"])
@@ -825,7 +828,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per cell (default: by length)")
     ap.add_argument("--table", nargs="+", metavar="GRID_JSON", help="print the tables of grid runs' JSON; no run")
-    ap.add_argument("--rule", metavar="HEAD_JSON", help="print choose_tiles' table from a --head run's JSON; no run")
+    ap.add_argument(
+        "--rule",
+        metavar="HEAD_JSON",
+        help="the fastest tiles within the stock head's peak, and KEEP_LOGITS_BYTES, from a --head run's JSON; no run",
+    )
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of each way's step")
     ap.add_argument("--profile-rows", type=int, default=25)
     ap.add_argument("--profile-dir", help="write each profile table here too")
