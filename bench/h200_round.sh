@@ -18,8 +18,11 @@
 #    its host cost (launches, Python), what a host-bound short step pays (on the CPU path the
 #    chunked head dispatches 321 aten ops a call against stock's 78, mostly the CPU emulation of
 #    fp32out's backward; the CUDA path is another, and this measures it);
-# 3. the whole step at short context where the issue found the worst ratio (0.5B tied, 1k and 4k
-#    tokens), stock against fp32patch and the stacks' fused paths against what replaces each
+# 3. the whole step at short context where the issue found the worst ratio (0.5B tied, 4k tokens;
+#    1k and 4k ran on an H100 on 2026-12-05: bench/RESULTS.md; this call measures what changed
+#    after it, TRL's and Prime-RL's tile budgets and the backward's host work per block, with
+#    twice the rounds for narrower wall intervals), stock against fp32patch and the stacks' fused
+#    paths against what replaces each
 #    (verl's and NeMo-RL's: the recomputing way, with choose_tiles' wider short blocks; TRL's: its
 #    own tile shape; Prime-RL's), with the
 #    device's busy time per step beside the wall time (such a step is host-bound); the JSON is
@@ -68,8 +71,8 @@ if [ "$ROUND" = 2 ]; then
         --ways stock fp32patch --out "$WORK/step-grid-7b-$TAG.json"
     exit 0
 fi
-part step 160 python bench/step.py --models 0.5B-tied --tokens 1024 4096 \
-    --ways stock fp32patch fp32patch-recompute verl-fused nemo-fused trl-chunked fp32patch-trl prime-rl-fused fp32patch-prime-rl \
+part step 160 python bench/step.py --models 0.5B-tied --tokens 4096 --entropy off --rounds 6 \
+    --ways stock fp32patch fp32patch-recompute verl-fused trl-chunked fp32patch-trl prime-rl-fused fp32patch-prime-rl \
     --out "$WORK/step-grid-$TAG.json"
 part gpu-tests 110 python -m pytest -q -p no:cacheprovider tests/gpu
 part prime-rl-head 80 python bench/prime_rl_head.py --tokens 8192 --out "$WORK/prime-rl-head-$TAG.json"
