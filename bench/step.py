@@ -715,6 +715,7 @@ def profile(args) -> None:
                             Path(args.profile_dir)
                             / f"profile-{model_name}-{tokens}-{int(entropy)}-{name.replace('@', '_').replace(',', '_')}.txt"
                         )
+                        path.parent.mkdir(parents=True, exist_ok=True)
                         path.write_text(
                             title + "\n" + events.table(sort_by="self_device_time_total", row_limit=80) + "\n"
                         )
