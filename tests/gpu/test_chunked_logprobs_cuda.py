@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import lm_head  # the benchmark's inputs
-from fp32patch.runtime.kernels import fp32out
+from fp32patch.runtime.kernels import fp32out, triton_tanh  # (triton_tanh: read by a test's kernel)
 from fp32patch.runtime.kernels.chunked_logprobs import RowStats, chunked_logprobs, fold_tile, grad_tile
 from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear
@@ -60,13 +60,20 @@ def test_tiles_come_from_the_out_dtype_gemm_without_a_weight_copy():
     assert err.mean() < 2e-5 and err.max() < 2e-4
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("temperature", "softcap"), [(1.0, None), (0.7, None), ("rows", None), ("rows", 10.0)])
 @pytest.mark.parametrize("mode", ["fp32out", "fp32out-bf16grad", "fp32out-hilo"])
-def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperature):
+def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperature, softcap):
     # the fp32out modes' fused path (16-bit copies written from the logits, products
-    # accumulated in the GEMM) against the eager one (fp32 gradient tile, lm_head_gemm's GEMMs)
+    # accumulated in the GEMM) against the eager one (fp32 gradient tile, lm_head_gemm's GEMMs);
+    # "rows": Prime-RL's per-sample temperatures, one per token; softcap: Gemma's, on logits
+    # that reach past it
     x, w, targets, grad = _problem(1)
-    kw = dict(mode=mode, entropy=True, temperature=temperature, chunk_rows=300, chunk_vocab=5000, fuse_wgrad=True)
+    if temperature == "rows":
+        temperature = 0.5 + torch.rand(T, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    kw = dict(
+        mode=mode, entropy=True, temperature=temperature, softcap=softcap, chunk_rows=300, chunk_vocab=5000,
+        fuse_wgrad=True,
+    )  # fmt: skip
 
     def run():
         xl = x.clone().requires_grad_()
@@ -85,6 +92,12 @@ def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperat
     assert (triton[1] - eager[1]).abs().max() < 5e-5  # log Z - E[z]: both ~20, the entropy ~2
     assert _rel(triton[2], eager[2]) < 1e-4 and (triton[2] == eager[2]).float().mean() > 0.95
     assert _rel(triton[3], eager[3]) < 5e-5
+    if softcap is not None:  # and fp32 grade against float64 through the cap
+        x64 = x.double()
+        z = torch.tanh((x64 @ w.double().t()) / softcap) * softcap / temperature.double()[:, None]
+        log_p = torch.log_softmax(z, -1)
+        assert (z.abs().amax(1) > 0.5 * softcap / temperature.double()).any()  # the cap bites
+        assert (triton[0].double() - log_p.gather(1, targets[:, None])[:, 0]).abs().max() < 2e-4
 
 
 def test_bf16_tiles_fold_and_grad_as_on_the_cpu():
@@ -173,3 +186,24 @@ def test_kept_logits_hold_four_bytes_a_logit_until_the_backward():
     del lp
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - base < T * V * 0.5  # freed; x's gradient stays
+
+
+def test_the_kernels_tanh_is_fp32_grade_on_the_gpu():
+    # triton_tanh on the compiled path (the GPU's exp is not numpy's): the soft-cap's tanh
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def apply(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        tl.store(out_ptr + i, triton_tanh.tanh(tl.load(u_ptr + i, mask=ok, other=0.0)), mask=ok)
+
+    u = torch.cat([torch.linspace(-20, 20, 400001), torch.logspace(-30, 0, 20001), torch.linspace(0.39, 0.41, 20001)])
+    u = u.float().cuda()
+    out = torch.empty_like(u)
+    apply[(triton.cdiv(u.numel(), 1024),)](u, out, u.numel(), BLOCK=1024)
+    ref = torch.tanh(u.double())
+    ulp = (torch.nextafter(ref.float().abs(), torch.tensor(float("inf"), device="cuda")) - ref.float().abs()).double()
+    err = ((out.double() - ref).abs() / ulp).max().item()
+    assert err <= 8.0, f"{err:.1f} units in the last place off float64's tanh"

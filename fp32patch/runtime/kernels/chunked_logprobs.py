@@ -26,8 +26,9 @@ A per-token temperature (a tensor shaped as ``targets``: Prime-RL's per-sample t
 divides each token's logits by its own; a soft-cap (``softcap``: Gemma's
 ``final_logit_softcapping``) is applied to the fp32 logits before the temperature,
 ``softcap * tanh(z / softcap)``, as vLLM's logits processor applies it, and its derivative
-``1 - tanh**2`` joins the backward in fp32. Either one runs the per-tile torch steps on every
-device (the Triton kernels take one scalar temperature and no cap).
+``1 - tanh**2`` joins the backward in fp32. The Triton kernels take both (the tanh:
+``triton_tanh``, within a few units in the last place of float64's), so either one costs about
+what one temperature costs.
 
 Short sequences keep the logits (``keep_logits``): where the fp32 logits of a call (4 bytes a
 logit of this rank's shard) take at most ``KEEP_LOGITS_BYTES``, the forward computes them in one
@@ -68,6 +69,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fp32patch.runtime.kernels import triton_tanh  # noqa: F401  (read by the kernels: triton_tanh.tanh)
 from fp32patch.runtime.kernels.fp32out import triton_device
 from fp32patch.runtime.kernels.lm_head_gemm import (
     _UPCAST_MODES,
@@ -391,11 +393,6 @@ def _logits(tile: torch.Tensor, temperature: Any, softcap: float | None) -> tupl
     return z, capped
 
 
-def _scalar_steps(temperature: Any, softcap: float | None) -> bool:
-    """Whether the Triton steps compute this tile (one scalar temperature, no cap)."""
-    return softcap is None and not _is_tensor(temperature)
-
-
 def fold_tile(
     tile: torch.Tensor,
     targets: torch.Tensor,
@@ -408,9 +405,9 @@ def fold_tile(
     and divided by ``temperature``, a number or [C] per row, in fp32) into ``stats`` (C rows).
     The tile holds the weight's rows ``col0`` to ``col0 + N``; ``targets`` [C] are ids counted
     from the weight's first row."""
-    kernels = _triton(tile) if _scalar_steps(temperature, softcap) else None
+    kernels = _triton(tile)
     if kernels is not None:
-        kernels.fold(tile, targets, col0, temperature, stats)
+        kernels.fold(tile, targets, col0, temperature, stats, softcap)
         return
     import torch
 
@@ -444,9 +441,9 @@ def grad_tile(
     multiplied by the cap's derivative), computed in fp32 and stored in the tile's dtype.
     ``col0``, ``targets``, ``temperature`` as for ``fold_tile``; ``log_z``, ``entropy``,
     ``grad_logp``, ``grad_entropy``: [C] fp32; a None gradient contributes nothing."""
-    kernels = _triton(tile) if _scalar_steps(temperature, softcap) else None
+    kernels = _triton(tile)
     if kernels is not None:
-        kernels.grad(tile, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy)
+        kernels.grad(tile, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy, softcap=softcap)
         return
     import torch
 
@@ -499,10 +496,14 @@ class _TritonKernels:
         import triton
         import triton.language as tl
 
+        # The logits as the distribution sees them (``_logits``): capped, ``cap * tanh(z / cap)``
+        # (CAPPED), then divided by one temperature (SCALED) or by the row's (ROW_TEMPS: ``temps``
+        # holds one per row of the tile); every division rounded as torch's is.
         @triton.jit
         def fold_kernel(
-            tile, stride, n_cols, targets, col0, temperature, m_ptr, s_ptr, zs_ptr, tz_ptr,
-            SCALED: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+            tile, stride, n_cols, targets, col0, temperature, temps, cap, m_ptr, s_ptr, zs_ptr, tz_ptr,
+            SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, ENTROPY: tl.constexpr,
+            BLOCK: tl.constexpr,
         ):  # fmt: skip
             row = tl.program_id(0).to(tl.int64)
             base = tile + row * stride
@@ -511,12 +512,19 @@ class _TritonKernels:
             zs = 0.0
             if ENTROPY:
                 zs = tl.load(zs_ptr + row)
+            row_t = 1.0
+            if ROW_TEMPS:
+                row_t = tl.load(temps + row)
             for start in range(0, n_cols, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 ok = cols < n_cols
                 z = tl.load(base + cols, mask=ok, other=-float("inf")).to(tl.float32)
+                if CAPPED:
+                    z = tl.where(ok, triton_tanh.tanh(tl.div_rn(z, tl.zeros_like(z) + cap)) * cap, -float("inf"))
                 if SCALED:
                     z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+                if ROW_TEMPS:
+                    z = tl.div_rn(z, tl.zeros_like(z) + row_t)
                 new_m = tl.maximum(m, tl.max(z, axis=0))
                 rescale = tl.exp(m - new_m)
                 e = tl.exp(z - new_m)
@@ -531,15 +539,19 @@ class _TritonKernels:
             local = tl.load(targets + row) - col0
             if (local >= 0) & (local < n_cols):
                 zt = tl.load(base + local).to(tl.float32)
+                if CAPPED:
+                    zt = triton_tanh.tanh(tl.div_rn(zt, zt * 0.0 + cap)) * cap
                 if SCALED:
                     zt = tl.div_rn(zt, zt * 0.0 + temperature)
+                if ROW_TEMPS:
+                    zt = tl.div_rn(zt, zt * 0.0 + row_t)
                 tl.store(tz_ptr + row, zt)
 
         @triton.jit
         def grad_kernel(
-            tile, stride, n_rows, n_cols, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy,
-            amax, scale, out16, plain, out_stride,
-            SCALED: tl.constexpr, LOGP_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr,
+            tile, stride, n_rows, n_cols, targets, col0, temperature, temps, cap, log_z, entropy, grad_logp,
+            grad_entropy, amax, scale, out16, plain, out_stride,
+            SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, LOGP_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr,
             AMAX: tl.constexpr, FP16: tl.constexpr, PLAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         ):  # fmt: skip
             # g = the gradient of a [BM, BN] block of the tile, in fp32; then any of: g stored in
@@ -552,8 +564,14 @@ class _TritonKernels:
             rm64 = rm.to(tl.int64)
             ptrs = tile + rm64[:, None] * stride + rn[None, :]
             z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            if CAPPED:
+                capped = triton_tanh.tanh(tl.div_rn(z, tl.zeros_like(z) + cap))
+                z = capped * cap
             if SCALED:
                 z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+            if ROW_TEMPS:
+                row_t = tl.zeros_like(z) + tl.load(temps + rm, mask=row_ok, other=1.0)[:, None]
+                z = tl.div_rn(z, row_t)
             log_p = z - tl.load(log_z + rm, mask=row_ok, other=0.0)[:, None]
             p = tl.exp(log_p)
             g = tl.zeros_like(z)
@@ -566,6 +584,10 @@ class _TritonKernels:
                 g -= ge * p * (log_p + tl.load(entropy + rm, mask=row_ok, other=0.0)[:, None])
             if SCALED:
                 g = tl.div_rn(g, tl.zeros_like(g) + temperature)
+            if ROW_TEMPS:
+                g = tl.div_rn(g, row_t)
+            if CAPPED:
+                g = g * (1.0 - capped * capped)
             g = tl.where(mask, g, 0.0)
             if IN_PLACE:
                 tl.store(ptrs, g.to(tile.dtype.element_ty), mask=mask)
@@ -580,20 +602,22 @@ class _TritonKernels:
 
         self._fold, self._grad, self._cdiv = fold_kernel, grad_kernel, triton.cdiv
 
-    def fold(self, tile, targets, col0, temperature, stats: RowStats) -> None:
+    def fold(self, tile, targets, col0, temperature, stats: RowStats, softcap: float | None = None) -> None:
         rows, n = tile.shape
         if not rows:
             return
         assert tile.stride(1) == 1
+        scalar, temps, per_row = _kernel_temperature(temperature, stats.m)
         self._fold[(rows,)](
-            tile, tile.stride(0), n, targets, col0, temperature, stats.m, stats.s,
-            stats.s if stats.zs is None else stats.zs, stats.target,
-            SCALED=temperature != 1.0, ENTROPY=stats.zs is not None, BLOCK=self.FOLD_BLOCK, num_warps=self.FOLD_WARPS,
+            tile, tile.stride(0), n, targets, col0, scalar, temps, 1.0 if softcap is None else softcap,
+            stats.m, stats.s, stats.s if stats.zs is None else stats.zs, stats.target,
+            SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None,
+            ENTROPY=stats.zs is not None, BLOCK=self.FOLD_BLOCK, num_warps=self.FOLD_WARPS,
         )  # fmt: skip
 
     def grad(
         self, tile, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy,
-        in_place=True, amax=None, scale=None, out16=None, plain=None,
+        in_place=True, amax=None, scale=None, out16=None, plain=None, softcap=None,
     ) -> None:  # fmt: skip
         """The gradient of ``tile``, written as asked: in place, its column maxima (into the
         fp32 ``amax``, which must start at 0), ``fp16(g * scale)`` into ``out16``, ``g`` into
@@ -606,8 +630,9 @@ class _TritonKernels:
         out = out16 if out16 is not None else plain if plain is not None else tile
         assert out.stride(1) == 1 and (plain is None or plain.stride() == out.stride())
         dummy = log_z
+        scalar, temps, per_row = _kernel_temperature(temperature, dummy)
         self._grad[(self._cdiv(rows, self.GRAD_BM), self._cdiv(n, self.GRAD_BN))](
-            tile, tile.stride(0), rows, n, targets, col0, temperature, log_z,
+            tile, tile.stride(0), rows, n, targets, col0, scalar, temps, 1.0 if softcap is None else softcap, log_z,
             dummy if entropy is None else entropy,
             dummy if grad_logp is None else grad_logp,
             dummy if grad_entropy is None else grad_entropy,
@@ -616,10 +641,18 @@ class _TritonKernels:
             tile if out16 is None else out16,
             tile if plain is None else plain,
             out.stride(0),
-            SCALED=temperature != 1.0, LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None,
-            IN_PLACE=in_place, AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
+            SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None,
+            LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None, IN_PLACE=in_place, AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
             BM=self.GRAD_BM, BN=self.GRAD_BN, num_warps=self.GRAD_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
+
+
+def _kernel_temperature(temperature: Any, unused: Any) -> tuple[float, Any, bool]:
+    """A kernel's temperature arguments: (the scalar, the per-row tensor, whether per row);
+    ``unused`` fills the tensor's place when the temperature is one number."""
+    if _is_tensor(temperature):
+        return 1.0, temperature, True
+    return float(temperature), unused, False
 
 
 # ---------------------------------------------------------------- the passes
@@ -638,10 +671,13 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan:
             temperature = plan.temperature if temps is None else temps[r0:r1]
             fold_tile(logits[r0:r1], local[r0:r1], 0, temperature, stats.rows(r0, r1), plan.softcap)
         return (*_merge_ranks(stats, plan), logits)
-    fused = _gemm_lse(plan, x, weight) if temps is None and plan.softcap is None else None
+    fused = _gemm_lse(plan, x, weight)
     if fused is not None:
         for r0, r1 in _spans(x.shape[0], plan.chunk_rows):
-            m, s, zs, tz = fused.block_stats(x[r0:r1], weight, local[r0:r1], plan.temperature, plan.entropy)
+            temperature = plan.temperature if temps is None else temps[r0:r1]
+            m, s, zs, tz = fused.block_stats(
+                x[r0:r1], weight, local[r0:r1], temperature, plan.entropy, softcap=plan.softcap
+            )
             stats.m[r0:r1], stats.s[r0:r1], stats.target[r0:r1] = m, s, tz
             if zs is not None:
                 stats.zs[r0:r1] = zs
@@ -789,7 +825,7 @@ def _tile_backward(
 
     tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
-    kernels = _triton(tile) if _scalar_steps(rows.temperature, plan.softcap) else None
+    kernels = _triton(tile)
     if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
         if kept is not None:  # the torch steps write the gradient over the tile
             tile = tile.clone()
@@ -806,12 +842,12 @@ def _tile_backward(
     g16 = scale = plain = None
     if scaled:
         amax = torch.zeros(tile.shape[1], dtype=torch.float32, device=tile.device)
-        kernels.grad(tile, *args, in_place=False, amax=amax)
+        kernels.grad(tile, *args, in_place=False, amax=amax, softcap=plan.softcap)
         scale = fp32out.pow2_scales(amax)
         g16 = torch.empty(tile.shape, dtype=torch.float16, device=tile.device)
     if dx_rows is not None or not scaled:
         plain = torch.empty(tile.shape, dtype=block.dtype, device=tile.device)
-    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain)
+    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain, softcap=plan.softcap)
     del tile
     if dx_rows is not None:
         _accumulate_product(dx_rows, plain, block)

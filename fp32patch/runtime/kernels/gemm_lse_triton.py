@@ -2,8 +2,9 @@
 
 One Triton kernel computes [BM, BN] blocks of ``x @ weight.T`` with 16-bit operands and an
 fp32 accumulator (the grade of fp32out's ``torch.mm(out_dtype=float32)``: exact products of
-the same operands, summed in fp32), divides each by the temperature in fp32 and reduces it in
-registers to each row's statistics over the block's columns: the maximum, the sum of
+the same operands, summed in fp32), caps each (Gemma's soft-cap, where a call has one),
+divides it by the temperature (one, or each row's) in fp32 and reduces it in registers to each
+row's statistics over the block's columns: the maximum, the sum of
 exponentials relative to it, for the entropy the exp-weighted sum of logits, and the target's
 logit where the block holds it. Only those vectors are written, [V / BN, T] of each; a small
 torch pass then merges the blocks' statistics per row (an exact logsumexp merge in fp32).
@@ -29,6 +30,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from fp32patch.runtime.kernels import triton_tanh  # noqa: F401  (read by the kernel: triton_tanh.tanh)
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,8 +50,9 @@ def _kernel() -> Any:
 
     @triton.jit
     def gemm_lse_kernel(
-        x_desc, w_desc, targets, m_out, s_out, zs_out, tz_out, n_rows, n_cols, hdim, temperature,
-        SCALED: tl.constexpr, ENTROPY: tl.constexpr, NUM_SMS: tl.constexpr,
+        x_desc, w_desc, targets, m_out, s_out, zs_out, tz_out, n_rows, n_cols, hdim, temperature, temps, cap,
+        SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, ENTROPY: tl.constexpr,
+        NUM_SMS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
         num_m = tl.cdiv(n_rows, BM)
@@ -71,8 +75,12 @@ def _kernel() -> Any:
             row_ok = rm < n_rows
             col_ok = rn < n_cols
             z = acc
+            if CAPPED:
+                z = triton_tanh.tanh(tl.div_rn(z, tl.zeros_like(z) + cap)) * cap
             if SCALED:
                 z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+            if ROW_TEMPS:
+                z = tl.div_rn(z, tl.zeros_like(z) + tl.load(temps + rm, mask=row_ok, other=1.0)[:, None])
             z = tl.where(col_ok[None, :], z, -float("inf"))
             m = tl.max(z, axis=1)
             e = tl.exp(z - m[:, None])
@@ -128,10 +136,17 @@ INTERPRETER_PROGRAMS = 3
 
 
 def block_stats(
-    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor,
+    entropy: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Per-row statistics of ``x @ weight.T / temperature`` over all of ``weight``'s rows:
-    (max, sum exp(z - max), sum exp(z - max) * z or None, the target's logit or 0), fp32 [R].
+    """Per-row statistics of ``z / temperature`` over all of ``weight``'s rows, ``z`` = ``x @
+    weight.T`` capped at ``softcap * tanh(z / softcap)`` where a cap is given, ``temperature`` a
+    number or fp32 [R] per row: (max, sum exp(z - max), sum exp(z - max) * z or None, the
+    target's logit or 0), fp32 [R].
     ``x`` [R, H] and ``weight`` [V, H] as ``usable`` accepts; ``targets`` [R] ids counted from
     the weight's first row (one outside [0, V) gives 0)."""
     import torch
@@ -153,12 +168,15 @@ def block_stats(
     zs = torch.empty_like(m) if entropy else s
     tiles = triton.cdiv(rows, cfg["BM"]) * blocks
     sms = _programs(device)
+    per_row = not isinstance(temperature, (int, float))
+    scalar = 1.0 if per_row else float(temperature)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _kernel()[(min(sms, tiles),)](
             TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]]),
             TensorDescriptor.from_tensor(weight, [cfg["BN"], cfg["BK"]]),
-            targets.contiguous(), m, s, zs, tz, rows, cols, hdim, float(temperature),
-            SCALED=temperature != 1.0, ENTROPY=entropy, NUM_SMS=sms,
+            targets.contiguous(), m, s, zs, tz, rows, cols, hdim, scalar,
+            temperature.contiguous() if per_row else tz, 1.0 if softcap is None else float(softcap),
+            SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None, ENTROPY=entropy, NUM_SMS=sms,
             BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
         )  # fmt: skip

@@ -15,9 +15,8 @@ its gradient; the chunk of tokens is the head's ``chunk_size``), the vanilla kin
 head's fp32-output GEMM (``heads.hf.fp32_linear``) and the cap in fp32. The class, its names,
 state dict and FSDP2's hooks stay; the weight is read at every call.
 
-A uniform temperature (one value for every token, as most runs sample) is handed to the kernel
-as a number, so on CUDA its Triton steps run; telling costs one device sync per call. Per-token
-temperatures that differ, and the soft-cap, run its torch steps.
+The per-token temperatures go to the kernel as they come (its Triton steps divide each row by
+its own, and apply the soft-cap, on CUDA): no device sync asks whether they are all one value.
 
 Refused (``UnsupportedLmHeadError``, naming what was found): a head of another class (FP8 or
 LoRA wrapping, a model's own head), a soft-capped model whose head is not Prime-RL's Gemma kind
@@ -101,20 +100,13 @@ def fused_logprobs(hidden: Any, weight: Any, labels: Any, temperature: Any, mode
         weight,
         labels.reshape(b * s),
         mode=mode,
-        temperature=uniform(temps),
+        temperature=temps,
         entropy=True,
         softcap=softcap,
         chunk_rows=chunk,
         chunk_vocab=width,
     )
     return logprobs.reshape(b, s), entropy.reshape(b, s)
-
-
-def uniform(temps: Any) -> Any:
-    """``temps`` as one number where every token has the same temperature, else the tensor."""
-    if temps.numel() and bool((temps == temps[0]).all()):
-        return float(temps[0])
-    return temps
 
 
 def compute_weight(weight: Any) -> Any:

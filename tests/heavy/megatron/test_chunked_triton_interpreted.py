@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fp32patch.runtime.kernels import chunked_logprobs as cl
-from fp32patch.runtime.kernels import fp32out, gemm_lse_triton
+from fp32patch.runtime.kernels import fp32out, gemm_lse_triton, triton_tanh
 from tests.support.interpreter import INTERPRETED, only_interpreted, run_under_interpreter
 
 pytest.importorskip("triton")
@@ -85,18 +85,71 @@ def _problem(seed: int, dtype=torch.float16):
     return x, w, targets, grad
 
 
+def _temperature(kind, rows: int, gen):
+    """A temperature argument: a number, or one per row (Prime-RL's per-sample temperatures)."""
+    if kind == "rows":
+        return 0.4 + torch.rand(rows, generator=gen)
+    return kind
+
+
+def _tanh_kernel():
+    """A kernel applying triton_tanh.tanh elementwise (defined here: the interpreter reads a
+    kernel's helpers from its module's globals)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def apply(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        tl.store(out_ptr + i, triton_tanh.tanh(tl.load(u_ptr + i, mask=ok, other=0.0)), mask=ok)
+
+    return apply
+
+
 @only_interpreted
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fold_kernel_gives_the_torch_steps_statistics(calls, monkeypatch, temperature):
+def test_the_kernels_tanh_is_fp32_grade_everywhere():
+    # the soft-cap's tanh (triton_tanh): both of its branches, their seam, the tails, zeros,
+    # infinities and NaN, within a few units in the last place of float64's
+    import triton
+
+    apply = _tanh_kernel()
+    u = torch.cat([
+        torch.linspace(-20, 20, 40001), torch.logspace(-30, 0, 2001), -torch.logspace(-30, 0, 2001),
+        torch.linspace(0.39, 0.41, 2001), torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 88.0, 1e30]),
+    ]).float()  # fmt: skip
+    out = torch.empty_like(u)
+    apply[(triton.cdiv(u.numel(), 1024),)](u, out, u.numel(), BLOCK=1024)
+    ref = torch.tanh(u.double())
+    ulp = (torch.nextafter(ref.float().abs(), torch.tensor(float("inf"))) - ref.float().abs()).double()
+    err = ((out.double() - ref).abs() / ulp).max().item()
+    assert err <= 4.0, f"{err:.1f} units in the last place off float64's tanh"
+    assert torch.equal(out[-6:-2], torch.tensor([0.0, -0.0, 1.0, -1.0]))
+    nan = torch.empty(1)
+    apply[(1,)](torch.tensor([float("nan")]), nan, 1, BLOCK=16)
+    assert nan.isnan().all()
+    # the kernel's literals are triton_tanh.TAYLOR and SERIES_BELOW
+    import inspect
+
+    source = inspect.getsource(triton_tanh.tanh_fn)
+    for c in (*triton_tanh.TAYLOR[1:], triton_tanh.SERIES_BELOW):
+        assert repr(c) in source, c
+
+
+@only_interpreted
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "rows"])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_fold_kernel_gives_the_torch_steps_statistics(calls, monkeypatch, temperature, softcap):
     gen = torch.Generator().manual_seed(1)
     tile = torch.randn(40, 2500, generator=gen) * 6  # two of the fold's 2048-column blocks
     targets = torch.randint(0, 2500, (40,), generator=gen)
     targets[:2] = torch.tensor([-1, 2507])  # outside the vocabulary: no logit taken
+    temperature = _temperature(temperature, 40, gen)
 
     def fold():
         stats = cl.RowStats(40, tile.device, entropy=True)
         for c0, c1 in ((0, 900), (900, 2500)):  # two tiles into one row's statistics
-            cl.fold_tile(tile[:, c0:c1].contiguous(), targets, c0, temperature, stats)
+            cl.fold_tile(tile[:, c0:c1].contiguous(), targets, c0, temperature, stats, softcap)
         return stats
 
     kernel = fold()
@@ -104,11 +157,17 @@ def test_fold_kernel_gives_the_torch_steps_statistics(calls, monkeypatch, temper
     _eager(monkeypatch)
     eager = fold()
     assert calls["fold"] == 2
-    assert torch.equal(kernel.m, eager.m)
-    assert torch.equal(kernel.target, eager.target)
+    if softcap is None:  # the same divisions: the same bits
+        assert torch.equal(kernel.m, eager.m)
+        assert torch.equal(kernel.target, eager.target)
+    else:  # the kernel's tanh against torch's: a few units in the last place
+        _close(kernel.m, eager.m, 1e-6, "maximum")
+        _close(kernel.target, eager.target, 1e-6, "target logit")
+        assert eager.m.abs().max() <= softcap / 0.4  # the cap did cap
     assert (eager.target[:2] == 0).all()  # the targets outside the vocabulary kept their 0
-    _close(kernel.s, eager.s, 1e-6, "sum of exponentials")
-    _close(kernel.zs, eager.zs, 1e-6, "exp-weighted sum of logits")
+    rtol = 1e-6 if softcap is None else 3e-6  # (capped: the tanh's last bits, through exp)
+    _close(kernel.s, eager.s, rtol, "sum of exponentials")
+    _close(kernel.zs, eager.zs, rtol, "exp-weighted sum of logits")
 
 
 @only_interpreted
@@ -157,20 +216,54 @@ def test_grad_kernel_writes_each_copy_the_backward_asks_for(calls, monkeypatch):
 
 
 @only_interpreted
+def test_grad_kernel_with_per_row_temperatures_and_a_cap(calls, monkeypatch):
+    # Prime-RL's per-sample temperatures and Gemma's soft-cap in the kernel, against the torch
+    # steps and against the formula: d/dz of the capped, per-row scaled log-probs and entropy
+    gen = torch.Generator().manual_seed(6)
+    cap = 20.0
+    tile = torch.randn(70, V, generator=gen) * 12  # many logits past the cap's linear range
+    targets = torch.randint(0, V, (70,), generator=gen)
+    temps = 0.4 + torch.rand(70, generator=gen)
+    capped = torch.tanh(tile.double() / cap)
+    z = capped * cap / temps.double()[:, None]
+    log_z = torch.logsumexp(z, dim=1)
+    log_p = z - log_z[:, None]
+    ent = -(log_p.exp() * log_p).sum(1)
+    g_lp, g_ent = torch.randn(70, generator=gen), torch.randn(70, generator=gen) * 0.1
+    args = (targets, 0, temps, log_z.float(), ent.float(), g_lp, g_ent)
+
+    in_place = tile.clone()
+    cl.grad_tile(in_place, *args, softcap=cap)
+    assert calls["grad"] == 1
+    _eager(monkeypatch)
+    eager = tile.clone()
+    cl.grad_tile(eager, *args, softcap=cap)
+    assert calls["grad"] == 1
+    _close(in_place, eager, 1e-6, "gradient in place")
+    p = log_p.exp()
+    hit = torch.zeros_like(z).scatter_(1, targets[:, None], 1.0)
+    dz = g_lp.double()[:, None] * (hit - p) - g_ent.double()[:, None] * p * (log_p + ent[:, None])
+    by_hand = dz / temps.double()[:, None] * (1 - capped * capped)
+    _close(in_place, by_hand, 1e-5, "gradient against its formula")
+
+
+@only_interpreted
 @pytest.mark.parametrize("entropy", [False, True])
-def test_fused_gemm_logsumexp_forward_gives_the_folded_statistics(calls, monkeypatch, entropy):
+@pytest.mark.parametrize(("temperature", "softcap"), [(0.7, None), ("rows", None), ("rows", 3.0)])
+def test_fused_gemm_logsumexp_forward_gives_the_folded_statistics(calls, monkeypatch, entropy, temperature, softcap):
     gen = torch.Generator().manual_seed(3)
     rows, hdim, cols = 200, 72, 700  # ragged against its 128 x 256 blocks and its 64-wide K steps
     x = torch.randn(rows, hdim, generator=gen).half()
     w = (torch.randn(cols, hdim, generator=gen) * 0.3).half()
     targets = torch.randint(-2, cols + 2, (rows,), generator=gen)
+    temperature = _temperature(temperature, rows, gen)
     assert gemm_lse_triton.usable(x, w)
-    m, s, zs, tz = gemm_lse_triton.block_stats(x, w, targets, 0.7, entropy)
+    m, s, zs, tz = gemm_lse_triton.block_stats(x, w, targets, temperature, entropy, softcap=softcap)
     assert calls["gemm_lse"] == 1
     _eager(monkeypatch)
     assert not gemm_lse_triton.usable(x, w)
     stats = cl.RowStats(rows, x.device, entropy)
-    cl.fold_tile(fp32out.mm(x, w.t()), targets, 0, 0.7, stats)
+    cl.fold_tile(fp32out.mm(x, w.t()), targets, 0, temperature, stats, softcap)
     # the same exact products summed in another order: fp32 rounding apart
     _close(m, stats.m, 1e-6, "maximum")
     _close(tz, stats.target, 1e-6, "target logit")
@@ -180,9 +273,14 @@ def test_fused_gemm_logsumexp_forward_gives_the_folded_statistics(calls, monkeyp
         _close(zs, stats.zs, 1e-5, "exp-weighted sum")
 
 
-def _float64(x, w, targets, grad, temperature):
+def _float64(x, w, targets, grad, temperature, softcap=None):
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    log_p = torch.log_softmax(x64 @ w64.t() / temperature, -1)
+    z = x64 @ w64.t()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.double()[:, None]
+    log_p = torch.log_softmax(z / temperature, -1)
     lp = log_p.gather(1, targets[:, None])[:, 0]
     ent = -(log_p.exp() * log_p).sum(-1)
     (lp * grad.double() + ent * grad.double() * 0.1).sum().backward()
@@ -250,6 +348,33 @@ def test_whole_call_on_the_cuda_path_gives_the_cpu_paths_numbers(calls, monkeypa
     for name, a, ref in zip(names, cuda_path, (lp64, ent64, dx64, dw64), strict=True):
         # fp32 grade against float64 (the gradients: through 16-bit copies of the logits' gradient)
         _close(a, ref, {"log-probs": 1e-6, "entropy": 3e-6}.get(name, 1e-3), f"{name} against float64")
+
+
+@only_interpreted
+@pytest.mark.parametrize("tiles", ["kept", "recomputed"])
+def test_whole_call_with_per_token_temperatures_and_a_cap_stays_on_the_kernels(calls, monkeypatch, tiles):
+    # Prime-RL's per-sample temperatures and Gemma's soft-cap: every step on the Triton path
+    # (the fused forward included), the CPU path's numbers, fp32 grade against float64
+    x, w, targets, grad = _problem(7)
+    temps = 0.4 + torch.rand(T, generator=torch.Generator().manual_seed(8))
+    kw = dict(mode="fp32out", temperature=temps, softcap=5.0)
+    if tiles == "kept":
+        kw["keep_logits"] = True
+    else:
+        kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)
+    cuda_path = _step(x, w, targets, grad, main_grad=False, **kw)
+    assert calls["gemm_lse"] == (3 if tiles == "recomputed" else 0)
+    assert calls["fold"] == (0 if tiles == "recomputed" else 1)
+    assert calls["grad"] == 2 * (9 if tiles == "recomputed" else 1)
+    _eager(monkeypatch)
+    cpu_path = _step(x, w, targets, grad, main_grad=False, **kw)
+    ref = _float64(x, w, targets, grad, temps, softcap=5.0)
+    names = ("log-probs", "entropy", "input gradient", "weight gradient")
+    for name, a, b, r in zip(names, cuda_path, cpu_path, ref, strict=True):
+        # the tanh's last bits differ too (the kernel's against torch's): a few more of the
+        # gradients' 16-bit roundings flip than without a cap
+        _close(a, b, 2e-6 if name in names[:2] else 3e-4, name)
+        _close(a, r, {"log-probs": 1e-6, "entropy": 3e-6}.get(name, 1e-3), f"{name} against float64")
 
 
 @only_interpreted
