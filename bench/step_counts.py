@@ -62,7 +62,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import step  # noqa: E402
 from fp32patch.runtime.kernels import chunked_logprobs as cl  # noqa: E402
 from fp32patch.runtime.kernels import fp32out, gemm_lse_triton  # noqa: E402
-from fp32patch.runtime.prime_rl import head as prime_head  # noqa: E402
 
 WAYS = [
     "stock",
@@ -129,7 +128,6 @@ def fakes() -> Iterator[None]:
             (fp32out, "TRITON_DEVICE_TYPES", {*fp32out.TRITON_DEVICE_TYPES, "cpu"}),
             (gemm_lse_triton, "usable", lambda x, w: x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)),
             (tensor_descriptor, "TensorDescriptor", Descriptor),
-            (prime_head, "uniform", lambda temps: step.TEMPERATURE),
         ):
             stack.enter_context(mock.patch.object(target, name, value))
         stack.enter_context(mock.patch.dict(fp32out._SUPPORT, {("cpu", d): True for d in sixteen}))
