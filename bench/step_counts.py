@@ -21,8 +21,7 @@ The CUDA path is what is counted: every choice between a Triton path and the eag
 the Triton one (``fp32out.TRITON_DEVICE_TYPES``), fp32out's GEMMs are the ``out_dtype`` GEMMs
 CUDA dispatches, the fused GEMM + logsumexp forward is used where a Hopper GPU uses it, and a
 Triton launch is counted, not run (a fake tensor has nothing to compute on; no choice in these
-paths depends on a value). Prime-RL's head asks whether every token's temperature is the
-same: the step's are (``TEMPERATURE``), and that is the answer it gets here.
+paths depends on a value).
 
 The model: transformers' Qwen2 (``--impl hf``, what bench/step.py times on the GPU), or
 bench/step.py's own (``--impl torch``) for long sequences: under fake tensors transformers'
