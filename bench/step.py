@@ -33,7 +33,10 @@ ways later) of a few steps each; a step is timed with CUDA events around the who
 The device's busy time per step (``device_ms``): the sum of the kernels' and copies' times over a
 round of steps under torch.profiler; at short context a small model's step is set by the host
 (launches), and wall time then holds the host's gaps that busy time does not: the table gives
-both ratios. Peak memory: ``torch.cuda.max_memory_allocated`` over the way's timed steps (the model, its
+both ratios. Beside each step's wall time, the host thread's CPU time (``host_ms``: work on the
+host, Python, launches and collections, against waiting) and the time Python's cyclic collector
+ran inside it (``gc_ms``, a mean: collections are rare and long); ``--gc-freeze`` moves what the
+model and the optimizer hold out of the collector's scans first. Peak memory: ``torch.cuda.max_memory_allocated`` over the way's timed steps (the model, its
 gradients and AdamW's state included). A way that runs out of memory is recorded as ``oom``.
 
 ``--head``: the log-prob head alone (hidden states to loss, forward and backward; no model), the
@@ -389,17 +392,44 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    if DEVICE == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+class _GcClock:
+    """The milliseconds Python's cyclic garbage collector ran, summed over its collections
+    (``gc.callbacks``): a pause the host spends inside a step that no aten operation shows."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.ms += (time.perf_counter() - self._start) * 1e3
+            self._start = None
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float, float]:
+    """One step's (wall ms, the host thread's CPU ms, the collector's ms). The wall time from
+    device events on CUDA; the host's CPU time says whether a wall difference is work on the host
+    (Python, launches, collections) or waiting (a sync, the device)."""
+    clock = _GcClock()
+    gc.callbacks.append(clock)
+    try:
+        cpu0 = time.thread_time()
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            host = (time.thread_time() - cpu0) * 1e3
+            end.synchronize()
+            return start.elapsed_time(end), host, clock.ms
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+        wall = (time.perf_counter() - t0) * 1e3
+        return wall, (time.thread_time() - cpu0) * 1e3, clock.ms
+    finally:
+        gc.callbacks.remove(clock)
 
 
 def _clean() -> None:
@@ -444,7 +474,7 @@ def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, r
                 raise
             out[name] = {"oom": True, "error": str(err).splitlines()[0][:200]}
         else:
-            out[name] = {"ms_steps": [], "peak_gib": 0.0}
+            out[name] = {"ms_steps": [], "host_ms_steps": [], "gc_ms_steps": [], "peak_gib": 0.0}
             live.append((name, fn))
         opt.zero_grad(set_to_none=True)
         _clean()
@@ -457,7 +487,10 @@ def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, r
                 torch.cuda.reset_peak_memory_stats()
             try:
                 for _ in range(per_round):
-                    out[name]["ms_steps"].append(_timed(lambda fn=fn: cell.step(fn, entropy, opt)))
+                    wall, host, collecting = _timed(lambda fn=fn: cell.step(fn, entropy, opt))
+                    out[name]["ms_steps"].append(wall)
+                    out[name]["host_ms_steps"].append(host)
+                    out[name]["gc_ms_steps"].append(collecting)
             except RuntimeError as err:  # past its warm-up: the allocator's fragmentation, say
                 if not _oom(err):
                     raise
@@ -470,6 +503,8 @@ def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, r
     for name, fn in live:
         if not out[name].get("oom"):
             out[name]["ms"] = statistics.median(out[name]["ms_steps"])
+            out[name]["host_ms"] = statistics.median(out[name]["host_ms_steps"])
+            out[name]["gc_ms"] = statistics.fmean(out[name]["gc_ms_steps"])  # (rare, long: the mean)
             if DEVICE == "cuda":
                 out[name]["device_ms"] = _busy_ms(lambda fn=fn: cell.step(fn, entropy, opt), per_round)
     return out
@@ -498,11 +533,14 @@ def _busy(events, steps: int) -> float:
 
 def run_grid(args) -> dict:
     results = {"machine": _machine(), "date": _now(), "command": " ".join(sys.argv), "impl": args.impl}
-    results.update(temperature=TEMPERATURE, entropy_coef=ENTROPY_COEF, mode=MODE, cells=[])
+    results.update(temperature=TEMPERATURE, entropy_coef=ENTROPY_COEF, mode=MODE, gc_freeze=args.gc_freeze, cells=[])
     for model_name in args.models:
         c = MODELS[model_name]
         model = build_model(model_name, args.impl)
         opt = _optimizer(model)
+        if args.gc_freeze:  # the model's and the optimizer's objects out of the collector's scans
+            gc.collect()
+            gc.freeze()
         params = sum(p.numel() for p in model.parameters())
         print(f"{model_name}: {params / 1e9:.2f}B parameters, {args.impl} model", flush=True)
         for tokens in args.tokens:
@@ -533,7 +571,8 @@ def _cell_line(row: dict, seconds: float) -> str:
             continue
         ratio = f" {r['ms'] / base:.3f}x" if base and name != "stock" else ""
         busy = f" (device {r['device_ms']:.1f}ms)" if r.get("device_ms") is not None else ""
-        parts.append(f"{name} {r['ms']:.1f}ms{ratio}{busy} {r['peak_gib']:.1f}GiB")
+        host = f" [host {r['host_ms']:.1f}ms, gc {r['gc_ms']:.1f}ms]" if r.get("host_ms") is not None else ""
+        parts.append(f"{name} {r['ms']:.1f}ms{ratio}{busy}{host} {r['peak_gib']:.1f}GiB")
     ent = "ent" if row["entropy"] else "   "
     return f"{row['model']:>12} T={row['tokens']:>6} {ent} | " + " | ".join(parts) + f"  ({seconds:.0f}s)"
 
@@ -828,6 +867,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", action="store_true", help="the log-prob head alone, per tile (choose_tiles' basis)")
     ap.add_argument("--head-iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per cell (default: by length)")
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after building each model: the collector's pauses, which a step's host time holds, "
+        "then scan only what the steps make",
+    )
     ap.add_argument("--table", nargs="+", metavar="GRID_JSON", help="print the tables of grid runs' JSON; no run")
     ap.add_argument(
         "--rule",

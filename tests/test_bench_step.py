@@ -5,6 +5,7 @@ others still run; choose_tiles' table comes out of a head sweep's numbers."""
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 
@@ -233,3 +234,42 @@ def test_more_rounds_time_more_steps_of_each_way(cpu: None, monkeypatch) -> None
     more = step.measure_cell(cell, step._optimizer(model), ["stock", "fp32patch"], False, 16, rounds=5)
     assert [len(planned[w]["ms_steps"]) for w in ("stock", "fp32patch")] == [4, 4]
     assert [len(more[w]["ms_steps"]) for w in ("stock", "fp32patch")] == [10, 10]
+
+
+def test_each_step_says_its_host_time_and_the_collectors_time(cpu: None, monkeypatch) -> None:
+    # the host thread's CPU time and the cyclic collector's pauses beside each step's wall time:
+    # a collection forced inside one step shows in that step's gc time, and in no other
+    monkeypatch.setattr(step, "plan", lambda tokens: (1, 1, 3))
+    model = step.build_model("tiny-tied", "torch")
+    cell = step.Cell(model, 16, step.MODELS["tiny-tied"]["vocab"])
+    real_step, calls = cell.step, []
+
+    def step_collecting_once(fn, entropy, opt):
+        calls.append(fn)
+        if len(calls) == 3:  # the warm-up is the first call; the second timed step collects
+            junk = [[i] for i in range(200_000)]  # a heap worth scanning
+            gc.collect()
+            del junk
+        return real_step(fn, entropy, opt)
+
+    monkeypatch.setattr(cell, "step", step_collecting_once)
+    out = step.measure_cell(cell, step._optimizer(model), ["stock"], False, 16)["stock"]
+    assert len(out["host_ms_steps"]) == len(out["gc_ms_steps"]) == len(out["ms_steps"]) == 3
+    assert all(0 < h <= w * 1.5 + 5 for h, w in zip(out["host_ms_steps"], out["ms_steps"], strict=True))
+    assert out["gc_ms_steps"][1] > 0 and out["gc_ms_steps"][1] > max(out["gc_ms_steps"][0], out["gc_ms_steps"][2])
+    assert out["gc_ms"] == pytest.approx(sum(out["gc_ms_steps"]) / 3)
+    assert out["host_ms"] == sorted(out["host_ms_steps"])[1]
+
+
+def test_gc_freeze_freezes_what_the_model_holds_and_is_recorded(tmp_path, monkeypatch) -> None:
+    frozen = []
+    monkeypatch.setattr(step.gc, "freeze", lambda: frozen.append(True))
+    out = tmp_path / "step.json"
+    try:
+        assert step.main(["--cpu", "--models", "tiny-tied", "--tokens", "16", "--entropy", "off", "--gc-freeze",
+                          "--ways", "stock", "--out", str(out)]) == 0  # fmt: skip
+    finally:
+        step.DEVICE = "cuda"
+    results = json.loads(out.read_text())
+    assert frozen == [True] and results["gc_freeze"] is True
+    assert {"host_ms", "gc_ms"} <= set(results["cells"][0]["ways"]["stock"])
