@@ -551,8 +551,8 @@ class _TritonKernels:
         def grad_kernel(
             tile, stride, n_rows, n_cols, targets, col0, temperature, temps, cap, log_z, entropy, grad_logp,
             grad_entropy, amax, scale, out16, plain, out_stride,
-            SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, LOGP_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr,
-            AMAX: tl.constexpr, FP16: tl.constexpr, PLAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, LOGP_GRAD: tl.constexpr,
+            ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr, AMAX: tl.constexpr, FP16: tl.constexpr, PLAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         ):  # fmt: skip
             # g = the gradient of a [BM, BN] block of the tile, in fp32; then any of: g stored in
             # place, max |g| per column into amax, fp16(g * scale[col]) and g in plain's dtype
@@ -642,7 +642,8 @@ class _TritonKernels:
             tile if plain is None else plain,
             out.stride(0),
             SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None,
-            LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None, IN_PLACE=in_place, AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
+            LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None, IN_PLACE=in_place,
+            AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
             BM=self.GRAD_BM, BN=self.GRAD_BN, num_warps=self.GRAD_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
 
