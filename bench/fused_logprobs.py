@@ -23,6 +23,10 @@ sources (2026-12; see each class), computing in the dtypes they compute in:
   entries folded into an online logsumexp in fp32 (here by this project's fold kernel, run on
   the bf16 tile as TRL's kernel is), the gradient written back into the bf16 tile, both
   gradient GEMMs accumulated in fp32 (``addmm(out_dtype=float32)``) and cast once.
+* SkyRL's ``FusedLinearChunkedDistributedLogprob`` (``fused_lm_head_logprob``, torch backend;
+  ``SkyrlBf16``, for bench/step.py's whole step): 1,024 tokens a chunk, the temperature folded
+  into the bf16 weight, fp32 log-softmax of bf16 logits, bf16 gradient GEMMs, dW accumulated in
+  fp32.
 
 Timing: CUDA events; each timing is the median of at least ``--iters`` calls and
 ``--min-ms`` of timed calls after ``--warmup`` calls (bench/lm_head.py's ``time_ms``); every
@@ -203,6 +207,52 @@ class TrlBf16Tiles(torch.autograd.Function):
             _addmm_fp32(dx[rows], tile, wc)
             _addmm_fp32(dw[cols], tile.t(), xr)
         return dx.to(x.dtype), dw.to(w.dtype), None, None
+
+
+class SkyrlBf16(torch.autograd.Function):
+    """SkyRL 0.4.0's fused LM-head log-probs, torch backend (``fused_lm_head_logprob``, Megatron),
+    at TP=1 on a packed batch-1 input: the temperature divides the bf16 weight (a new bf16
+    weight), then per chunk of ``logprobs_chunk_size`` tokens (1,024 by default) the whole
+    vocabulary's bf16 logits cast to fp32 and an fp32 log-softmax; the backward recomputes them,
+    forms the fp32 gradient (minus the probabilities times the upstream gradient, plus it at the
+    target), casts it to bf16, and takes dX from a bf16 GEMM and dW from a bf16 GEMM accumulated
+    into an fp32 [V, H] buffer, cast to bf16 once (read in its 0.4.0 wheel, 2026-12; not its code)."""
+
+    CHUNK = 1024
+
+    @staticmethod
+    def _log_softmax(x_chunk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        z = torch.matmul(x_chunk, w.t()).float()
+        z = z - z.amax(dim=-1, keepdim=True)
+        return z - z.exp().sum(dim=-1, keepdim=True).log()
+
+    @staticmethod
+    def forward(ctx, x, w, targets):
+        out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for start in range(0, x.shape[0], SkyrlBf16.CHUNK):
+            rows = slice(start, start + SkyrlBf16.CHUNK)
+            out[rows] = SkyrlBf16._log_softmax(x[rows], w).gather(-1, targets[rows, None])[:, 0]
+        ctx.save_for_backward(x, w, targets)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, targets = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for start in range(0, x.shape[0], SkyrlBf16.CHUNK):
+            rows = slice(start, start + SkyrlBf16.CHUNK)
+            g = SkyrlBf16._log_softmax(x[rows], w).exp_().neg_().mul_(grad[rows, None])
+            g.scatter_add_(1, targets[rows, None], grad[rows, None])
+            g = g.to(w.dtype)
+            dx[rows] = g @ w
+            dw.add_((g.t() @ x[rows]).float())
+        return dx, dw.to(w.dtype), None
+
+
+def skyrl_bf16(x, w, targets, temperature):
+    """SkyRL's way of applying the temperature before its op: the weight divided, in bf16."""
+    return SkyrlBf16.apply(x, w / temperature if temperature != 1.0 else w, targets)
 
 
 # ---------------------------------------------------------------- the ways

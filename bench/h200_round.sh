@@ -12,8 +12,9 @@
 #    with 0.96x of stock's device time), with each step's host CPU time and the collector's pauses
 #    beside its wall time (bench/step.py records both now), then again with --gc-freeze: whether
 #    the ~11-17 ms a step are host work, collections, or waiting;
-# 2. pairs: TRL's pair (1.04x TRL's device time at 4,096 tokens, the one pair over) and NeMo-RL's
-#    (not in the second round) at 1,024 and 4,096 tokens, 24 steps a way, with the same columns;
+# 2. pairs: TRL's pair (1.04x TRL's device time at 4,096 tokens, the one pair over), NeMo-RL's
+#    (not in the second round) and SkyRL's (its own fused path, never measured) at 1,024 and 4,096
+#    tokens, 24 steps a way, with the same columns;
 # 3. the CUDA tests (tests/gpu), stopping at nothing;
 # 4. big: 7B untied at 1,024 and 16,384 tokens (only 4,096 ran), stock against fp32patch.
 #
@@ -58,8 +59,8 @@ part host 100 python bench/step.py --models 1.5B-untied --tokens 1024 --entropy 
     --ways stock fp32patch fp32patch-recompute --out "$WORK/step-1.5b-1k-$TAG.json"
 part host-frozen 100 python bench/step.py --models 1.5B-untied --tokens 1024 --entropy off --rounds 6 --gc-freeze \
     --ways stock fp32patch fp32patch-recompute --out "$WORK/step-1.5b-1k-gcfreeze-$TAG.json"
-part pairs 160 python bench/step.py --models 0.5B-tied --tokens 1024 4096 --entropy off --rounds 6 \
-    --ways stock trl-chunked fp32patch-trl nemo-fused fp32patch-recompute --out "$WORK/step-pairs-$TAG.json"
+part pairs 190 python bench/step.py --models 0.5B-tied --tokens 1024 4096 --entropy off --rounds 6 \
+    --ways stock trl-chunked fp32patch-trl nemo-fused skyrl-fused fp32patch-recompute --out "$WORK/step-pairs-$TAG.json"
 part gpu-tests 110 python -m pytest -q -p no:cacheprovider tests/gpu
-part big 120 python bench/step.py --models 7B-untied --tokens 1024 16384 --entropy off \
+part big 90 python bench/step.py --models 7B-untied --tokens 1024 16384 --entropy off \
     --ways stock fp32patch --out "$WORK/step-7b-$TAG.json"

@@ -21,7 +21,10 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   only, no temperature: it divides the log-probs' logits elsewhere), ``prime-rl-fused``
   (Prime-RL's ``FusedOutputLinear``: 8192-token chunks of 8192-entry bf16 tiles, a temperature per
   token; bench/prime_rl_head.py), against ``fp32patch-prime-rl``, the head fp32patch wires for
-  it. Each is compared with the fp32patch path that replaces it (``PAIRS``).
+  it, and ``skyrl-fused`` (SkyRL's ``fused_lm_head_logprob``, torch backend: 1,024-token chunks
+  of the whole vocabulary, the temperature folded into the bf16 weight; log-probs only), whose
+  replacement is ``fp32patch-recompute``. Each is compared with the fp32patch path that replaces
+  it (``PAIRS``).
 * ``fp32patch@R,V``: chunked_logprobs with the tile R tokens x V vocabulary entries (sweeps);
   ``fp32patch-tiledfwd``, ``fp32patch-eager``: diagnostics (the forward without the fused GEMM +
   logsumexp kernel; no Triton at all).
@@ -71,7 +74,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fused_logprobs import NemoRlBf16, TrlBf16Tiles, VerlTorchBf16  # noqa: E402
+from bench.fused_logprobs import NemoRlBf16, TrlBf16Tiles, VerlTorchBf16, skyrl_bf16  # noqa: E402
 from bench.lm_head import env_set  # noqa: E402
 from bench.prime_rl_head import patched as prime_rl_patched  # noqa: E402
 from bench.prime_rl_head import prime_bf16  # noqa: E402
@@ -105,6 +108,7 @@ PAIRS = [
     ("TRL chunked log-probs", "trl-chunked", "fp32patch-trl"),
     ("NeMo-RL fused linear log-probs", "nemo-fused", "fp32patch-recompute"),
     ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
+    ("SkyRL fused_lm_head_logprob", "skyrl-fused", "fp32patch-recompute"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
 HEAD_TILES = [None, (8192, 16384), (8192, 32768), (4096, 0), (8192, 0), (16384, 0), (0, 0)]
@@ -303,6 +307,11 @@ def _nemo(model, ids, targets, entropy):
     return NemoRlBf16.apply(h[0], model.lm_head.weight, targets[0])[None], None
 
 
+def _skyrl(model, ids, targets, entropy):
+    h = _hidden(model, ids)
+    return skyrl_bf16(h[0], model.lm_head.weight, targets[0], TEMPERATURE)[None], None
+
+
 def _prime_rl(head: Callable) -> Callable:
     """Prime-RL's head (its bf16 chunks, bench/prime_rl_head.py, or the head fp32patch wires for
     it), which takes a temperature per token: every token the step's."""
@@ -345,6 +354,7 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     "nemo-fused": (_nemo, False),
     "prime-rl-fused": (_prime_rl(prime_bf16), True),
     "fp32patch-prime-rl": (_prime_rl(prime_rl_patched), True),
+    "skyrl-fused": (_skyrl, False),
 }
 
 

@@ -31,7 +31,7 @@ MODELS = ["tiny-tied", "tiny-untied"]
 def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> None:
     out = tmp_path / "step.json"
     ways = ["stock", "fp32patch", "fp32patch-recompute", "verl-fused", "trl-chunked", "fp32patch-trl"]
-    ways += ["prime-rl-fused", "fp32patch-prime-rl"]
+    ways += ["prime-rl-fused", "fp32patch-prime-rl", "skyrl-fused"]
     try:
         assert step.main(["--cpu", "--models", *MODELS, "--tokens", "24", "--out", str(out), "--ways", *ways]) == 0
     finally:
@@ -49,7 +49,7 @@ def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> No
     printed = capsys.readouterr().out
     assert "| tiny-untied | 24 | on |" in printed and "| tiny-tied | 24 | off |" in printed
     assert " | — | — | " in printed  # no busy time on the CPU, said as such
-    for stack, _, _ in [*step.PAIRS[:3], step.PAIRS[4]]:
+    for stack, _, _ in [*step.PAIRS[:3], *step.PAIRS[4:]]:
         assert f"### {stack}" in printed
 
 
@@ -74,8 +74,10 @@ def test_the_ways_compute_the_same_log_probs(cpu: None, name: str) -> None:
     for w in ("stock", "verl-fused"):  # the bf16 head's logits: bf16 grade
         assert (got[w][0][0].double() - ref_logp).abs().max() < 0.25
         assert (got[w][1][0].double() - ref_ent).abs().max() < 0.25
-    trl = step.way("trl-chunked")[0](model, cell.ids, cell.targets, False)[0]
-    assert (trl[0].double() - ref_logp).abs().max() < 0.25
+    for w in ("trl-chunked", "skyrl-fused"):  # log-probs only, from bf16 logits
+        lp = step.way(w)[0](model, cell.ids, cell.targets, False)[0]
+        assert (lp[0].double() - ref_logp).abs().max() < 0.25
+        assert (lp[0].double() - ref_logp).abs().max() > 1e-4  # and not fp32 grade
     with torch.no_grad():
         prime_logp, prime_ent = step.way("fp32patch-prime-rl")[0](model, cell.ids, cell.targets, True)
         bf16_logp, bf16_ent = step.way("prime-rl-fused")[0](model, cell.ids, cell.targets, True)
@@ -273,3 +275,31 @@ def test_gc_freeze_freezes_what_the_model_holds_and_is_recorded(tmp_path, monkey
     results = json.loads(out.read_text())
     assert frozen == [True] and results["gc_freeze"] is True
     assert {"host_ms", "gc_ms"} <= set(results["cells"][0]["ways"]["stock"])
+
+
+def test_skyrls_bf16_path_has_the_gradients_of_its_log_probs() -> None:
+    # the re-implementation of SkyRL's fused path (bench/fused_logprobs.py): its hand-written
+    # backward against float64 autograd of the same log-probs (temperature folded into the
+    # weight), at bf16 grade, over several chunks
+    from bench.fused_logprobs import SkyrlBf16, skyrl_bf16
+
+    gen = torch.Generator().manual_seed(5)
+    t, h, v = 40, 16, 300
+    x = (torch.randn(t, h, generator=gen)).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) * 0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (t,), generator=gen)
+    grad = torch.randn(t, generator=gen)
+    chunk = SkyrlBf16.CHUNK
+    SkyrlBf16.CHUNK = 16  # three chunks, the last one short
+    try:
+        lp = skyrl_bf16(x, w, targets, 0.7)
+        (lp * grad).sum().backward()
+    finally:
+        SkyrlBf16.CHUNK = chunk
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.log_softmax(x64 @ (w64 / 0.7).t(), -1).gather(1, targets[:, None])[:, 0]
+    (ref * grad.double()).sum().backward()
+    assert (lp.double() - ref).abs().max() < 0.1
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - want).norm() / want.norm()).item() < 3e-2
