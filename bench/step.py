@@ -842,6 +842,27 @@ def table(results: dict) -> str:
     return pair_tables(results, [*columns, "peak GiB stock → fp32patch"], row)
 
 
+def host_table(results: dict) -> str:
+    """Markdown, for the cells whose steps recorded them: per stack pair, the host thread's CPU
+    time per step (median) and the collector's (mean), each way's, beside the wall time; "" when
+    no cell has them (runs before they were recorded)."""
+    if not any("host_ms" in w for c in results["cells"] for w in c["ways"].values()):
+        return ""
+
+    def row(a: dict, b: dict) -> list[str]:
+        if any(w.get("oom") or "host_ms" not in w for w in (a, b)):
+            return ["—"] * 3
+        return [
+            f"{_ms(a['ms'])} → {_ms(b['ms'])}",
+            f"{_ms(a['host_ms'])} → {_ms(b['host_ms'])}",
+            f"{a['gc_ms']:.2f} → {b['gc_ms']:.2f} ms",
+        ]
+
+    return "#### Host time per step (wall; the host thread's CPU; the collector)\n\n" + pair_tables(
+        results, ["wall", "host CPU", "collector"], row
+    )
+
+
 def ratio_interval(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 90% bootstrap interval of median(b) / median(a) from two ways' timed steps: what the
     spread of a host-bound step lets a ratio claim (the table's ratio column holds it in
@@ -894,7 +915,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", help="write each profile table here too")
     args = ap.parse_args(argv)
     if args.table:
-        print(table(merged(args.table)))
+        grids = merged(args.table)
+        print(table(grids))
+        print(host_table(grids))
         return 0
     if args.rule:
         measured = json.loads(Path(args.rule).read_text())
@@ -928,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_grid(args)
             print()
             print(table(results))
+            print(host_table(results))
     finally:
         torch.set_num_threads(threads)
     return 0

@@ -226,6 +226,23 @@ def test_table_reads_grid_files_and_gives_each_wall_ratio_its_interval(tmp_path,
     wide = step.ratio_interval([100.0, 180.0, 60.0, 240.0], [101.0, 99.0, 240.0, 70.0])
     assert wide[0] < 100.0 / 140.0 < wide[1] and wide[1] - wide[0] > 0.5
     assert f"| m | 4,096 | on | 140.0 ms | 100.0 ms | 0.714 ({wide[0]:.2f}-{wide[1]:.2f}) |" in text
+    assert "Host time per step" not in text  # these runs recorded none
+
+
+def test_host_table_gives_each_ways_host_and_collector_time(tmp_path, capsys) -> None:
+    def way(ms, host, collecting):
+        return {"ms_steps": [ms], "ms": ms, "host_ms": host, "gc_ms": collecting, "peak_gib": 1.0}
+
+    cell = {"model": "m", "tokens": 1024, "entropy": False, "tiles": [1, 1],
+            "ways": {"stock": way(240.0, 231.5, 0.0), "fp32patch": way(252.0, 233.0, 9.25),
+                     "trl-chunked": {"oom": True}, "fp32patch-trl": way(250.0, 240.0, 1.0)}}  # fmt: skip
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"cells": [cell]}))
+    assert step.main(["--table", str(path)]) == 0
+    text = capsys.readouterr().out
+    host = text[text.index("#### Host time per step") :]
+    assert "| m | 1,024 | off | 240.0 ms → 252.0 ms | 231.5 ms → 233.0 ms | 0.00 → 9.25 ms |" in host
+    assert "| m | 1,024 | off | — | — | — |" in host  # TRL's own ran out of memory
 
 
 def test_more_rounds_time_more_steps_of_each_way(cpu: None, monkeypatch) -> None:
