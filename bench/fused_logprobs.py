@@ -219,12 +219,7 @@ class SkyrlBf16(torch.autograd.Function):
     into an fp32 [V, H] buffer, cast to bf16 once (read in its 0.4.0 wheel, 2026-12; not its code)."""
 
     CHUNK = 1024
-
-    @staticmethod
-    def _log_softmax(x_chunk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        z = torch.matmul(x_chunk, w.t()).float()
-        z = z - z.amax(dim=-1, keepdim=True)
-        return z - z.exp().sum(dim=-1, keepdim=True).log()
+    _log_softmax = NemoRlBf16._log_softmax  # the same arithmetic: bf16 logits, fp32 log-softmax
 
     @staticmethod
     def forward(ctx, x, w, targets):
