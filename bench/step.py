@@ -39,8 +39,9 @@ round of steps under torch.profiler; at short context a small model's step is se
 both ratios. Beside each step's wall time, the host thread's CPU time (``host_ms``: work on the
 host, Python, launches and collections, against waiting) and the time Python's cyclic collector
 ran inside it (``gc_ms``, a mean: collections are rare and long); ``--gc-freeze`` moves what the
-model and the optimizer hold out of the collector's scans first. Peak memory: ``torch.cuda.max_memory_allocated`` over the way's timed steps (the model, its
-gradients and AdamW's state included). A way that runs out of memory is recorded as ``oom``.
+model and the optimizer hold out of the collector's scans first. Peak memory:
+``torch.cuda.max_memory_allocated`` over the way's timed steps (the model, its gradients and
+AdamW's state included). A way that runs out of memory is recorded as ``oom``.
 
 ``--head``: the log-prob head alone (hidden states to loss, forward and backward; no model), the
 stock head against chunked_logprobs at each tile in ``HEAD_TILES``: the measured basis of

@@ -552,7 +552,8 @@ class _TritonKernels:
             tile, stride, n_rows, n_cols, targets, col0, temperature, temps, cap, log_z, entropy, grad_logp,
             grad_entropy, amax, scale, out16, plain, out_stride,
             SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, LOGP_GRAD: tl.constexpr,
-            ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr, AMAX: tl.constexpr, FP16: tl.constexpr, PLAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            ENTROPY_GRAD: tl.constexpr, IN_PLACE: tl.constexpr, AMAX: tl.constexpr, FP16: tl.constexpr,
+            PLAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         ):  # fmt: skip
             # g = the gradient of a [BM, BN] block of the tile, in fp32; then any of: g stored in
             # place, max |g| per column into amax, fp16(g * scale[col]) and g in plain's dtype
