@@ -6,21 +6,21 @@
 #   bash bench/h200_round.sh            # on the device machine, in the repository root; $OUT: where results go
 #   bash bench/h200_round.sh 2          # the second call: what the first leaves, the larger shapes
 #
-# What the two H100 rounds of 2026-12-05 left open (bench/RESULTS.md), most needed first:
+# What the H100 rounds of 2026-12-05 left open (bench/RESULTS.md): at short
+# context a small model's step is set by the host (0.5B at 1,024 tokens: 25 ms of device time in
+# a 150 ms step), and its speed drifts between rounds (157-222 ms for one way at 1.5B/1k), so the
+# wall ratios spread 0.93-1.06 over five runs of the same code. The second call's cells alternate
+# the ways step by step (--per-round 1) over many rounds and report the ratio within each round
+# (bench/step.py's paired_ratio):
 #
-# 1. host: the one cell over 1.02x in every run, 1.5B untied at 1,024 tokens (1.046-1.061x wall
-#    with 0.96x of stock's device time), with each step's host CPU time and the collector's pauses
-#    beside its wall time (bench/step.py records both now), then again with --gc-freeze: whether
-#    the ~11-17 ms a step are host work, collections, or waiting;
-# 2. pairs: TRL's pair (1.04x TRL's device time at 4,096 tokens, the one pair over), NeMo-RL's
-#    (not in the second round) and SkyRL's (its own fused path, never measured) at 1,024 and 4,096
-#    tokens, 24 steps a way, with the same columns;
-# 3. the CUDA tests (tests/gpu), stopping at nothing;
-# 4. big: 7B untied at 1,024 and 16,384 tokens (only 4,096 ran), stock against fp32patch.
+# 1. 1.5B untied at 1,024 tokens (the cell over 1.02x in three runs of five);
+# 2. every stack's pair at 0.5B, 1,024 and 4,096 tokens (TRL's, NeMo-RL's, SkyRL's), the entropy
+#    off, then on (verl's pair, and the unfused way's);
+# 3. 3B tied at 1,024 tokens;
+# 4. 7B untied at 32,768 tokens (stock needs 74 GiB at 16,384);
+# 5. a profile of TRL's pair at 4,096 tokens (1.04x TRL's device time: where the 2.6 ms go).
 #
-# The second call (argument 2): 3B tied at 1,024 tokens with --gc-freeze (the cell that measured
-# 1.117x and 1.005x in two runs of the same code), 1.5B untied at 4,096 (1.051x, interval
-# 0.91-1.13) over 24 steps, and the head's host cost at 16 and 128 tokens.
+# The first call (no argument, or 1) is the first of the afternoon's rounds (its JSON is in bench/).
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -48,11 +48,20 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     pack
 }
 if [ "$ROUND" = 2 ]; then
-    part mid 200 python bench/step.py --models 3B-tied --tokens 1024 --entropy off --rounds 6 --gc-freeze \
-        --ways stock fp32patch fp32patch-recompute --out "$WORK/step-3b-1k-gcfreeze-$TAG.json"
-    part mid4k 200 python bench/step.py --models 1.5B-untied --tokens 4096 --entropy off --rounds 6 \
-        --ways stock fp32patch fp32patch-recompute --out "$WORK/step-1.5b-4k-$TAG.json"
-    part host 30 python bench/step.py --head --models 0.5B-tied --tokens 16 128 --out "$WORK/step-head-host-$TAG.json"
+    P="--entropy off --per-round 1"
+    part host 80 python bench/step.py --models 1.5B-untied --tokens 1024 $P --rounds 40 \
+        --ways stock fp32patch fp32patch-recompute --out "$WORK/step-1.5b-1k-paired-$TAG.json"
+    part pairs 150 python bench/step.py --models 0.5B-tied --tokens 1024 4096 $P --rounds 30 \
+        --ways stock fp32patch trl-chunked fp32patch-trl nemo-fused skyrl-fused fp32patch-recompute \
+        --out "$WORK/step-pairs-paired-$TAG.json"
+    part entropy 90 python bench/step.py --models 0.5B-tied --tokens 1024 4096 --entropy on --per-round 1 --rounds 24 \
+        --ways stock fp32patch verl-fused fp32patch-recompute --out "$WORK/step-entropy-paired-$TAG.json"
+    part mid 60 python bench/step.py --models 3B-tied --tokens 1024 $P --rounds 30 \
+        --ways stock fp32patch --out "$WORK/step-3b-1k-paired-$TAG.json"
+    part big 90 python bench/step.py --models 7B-untied --tokens 32768 --entropy off \
+        --ways stock fp32patch --out "$WORK/step-7b-32k-$TAG.json"
+    part profile 60 python bench/step.py --models 0.5B-tied --tokens 4096 --entropy off --profile \
+        --ways trl-chunked fp32patch-trl --profile-dir "$WORK/profile"
     exit 0
 fi
 part host 100 python bench/step.py --models 1.5B-untied --tokens 1024 --entropy off --rounds 6 \

@@ -31,8 +31,10 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
 
 Timing: every way of a (model, tokens, entropy) cell is warmed up (``--warmup`` steps; the
 first compiles its kernels), then timed in ``--rounds`` interleaved rounds (round r starts r
-ways later) of a few steps each; a step is timed with CUDA events around the whole step
-(forward to ``optimizer.zero_grad``); the reported time is the median over all timed steps.
+ways later) of a few steps each (``--per-round``; 1: the ways alternate step by step); a step is
+timed with CUDA events around the whole step (forward to ``optimizer.zero_grad``); a way's time
+is the median over all its timed steps, and the table's ratio the median over rounds of the two
+ways' ratio within a round (``paired_ratio``: a host-bound step's speed drifts between rounds).
 The device's busy time per step (``device_ms``): the sum of the kernels' and copies' times over a
 round of steps under torch.profiler; at short context a small model's step is set by the host
 (launches), and wall time then holds the host's gaps that busy time does not: the table gives
@@ -465,11 +467,22 @@ def plan(tokens: int) -> tuple[int, int, int]:
     return 1, 2 if tokens >= 65536 else 3, 1
 
 
-def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, rounds: int | None = None) -> dict:
+def measure_cell(
+    cell: Cell,
+    opt,
+    ways: list[str],
+    entropy: bool,
+    tokens: int,
+    rounds: int | None = None,
+    per_round: int | None = None,
+) -> dict:
     """Each way's step times (and device time, peak) at one cell; ``rounds``: more interleaved
-    rounds than ``plan`` gives, for a host-bound step whose ratios need a narrower interval."""
-    warmup, planned, per_round = plan(tokens)
+    rounds than ``plan`` gives, for a host-bound step whose ratios need a narrower interval;
+    ``per_round``: steps of a way in a round (1: the ways alternate step by step, and a drift of
+    the host's speed falls on both sides of every pair of rounds)."""
+    warmup, planned, planned_per_round = plan(tokens)
     rounds = planned if rounds is None else rounds
+    per_round = planned_per_round if per_round is None else per_round
     out: dict[str, dict] = {}
     live = []
     for name in ways:
@@ -486,6 +499,7 @@ def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, r
             out[name] = {"oom": True, "error": str(err).splitlines()[0][:200]}
         else:
             out[name] = {"ms_steps": [], "host_ms_steps": [], "gc_ms_steps": [], "peak_gib": 0.0}
+            out[name].update(rounds=rounds, per_round=per_round)  # ms_steps[r * per_round:][:per_round]: round r
             live.append((name, fn))
         opt.zero_grad(set_to_none=True)
         _clean()
@@ -517,7 +531,7 @@ def measure_cell(cell: Cell, opt, ways: list[str], entropy: bool, tokens: int, r
             out[name]["host_ms"] = statistics.median(out[name]["host_ms_steps"])
             out[name]["gc_ms"] = statistics.fmean(out[name]["gc_ms_steps"])  # (rare, long: the mean)
             if DEVICE == "cuda":
-                out[name]["device_ms"] = _busy_ms(lambda fn=fn: cell.step(fn, entropy, opt), per_round)
+                out[name]["device_ms"] = _busy_ms(lambda fn=fn: cell.step(fn, entropy, opt), max(per_round, 2))
     return out
 
 
@@ -559,7 +573,7 @@ def run_grid(args) -> dict:
             for entropy in args.entropy:
                 t0 = time.perf_counter()
                 cell = Cell(model, tokens, c["vocab"])
-                ways = measure_cell(cell, opt, args.ways, entropy, tokens, args.rounds)
+                ways = measure_cell(cell, opt, args.ways, entropy, tokens, args.rounds, args.per_round)
                 del cell
                 _clean()
                 row = {"model": model_name, "params": params, "tokens": tokens, "entropy": entropy, "tiles": tiles}
@@ -662,7 +676,7 @@ def _head_way(x, w, targets, adv, entropy, tile, args) -> dict:
         base = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = [_timed(run) for _ in range(args.head_iters)]
+        times = [_timed(run)[0] for _ in range(args.head_iters)]
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if DEVICE == "cuda" else 0.0
     except RuntimeError as err:
         if not _oom(err):
@@ -827,10 +841,14 @@ def table(results: dict) -> str:
         tb = "out of memory" if b.get("oom") else _ms(b["ms"])
         ratio = "—"
         if not (a.get("oom") or b.get("oom")):
-            ratio = f"{b['ms'] / a['ms']:.3f}"
-            if len(a.get("ms_steps", [])) > 1 and len(b.get("ms_steps", [])) > 1:
-                low, high = ratio_interval(a["ms_steps"], b["ms_steps"])
-                ratio += f" ({low:.2f}-{high:.2f})"
+            paired = paired_ratio(a, b)
+            if paired is not None:  # rounds recorded (runs from 2026-12-05 17:00 UTC on): ratios of the same round
+                ratio = f"{paired[0]:.3f} ({paired[1]:.2f}-{paired[2]:.2f}) p"
+            else:
+                ratio = f"{b['ms'] / a['ms']:.3f}"
+                if len(a.get("ms_steps", [])) > 1 and len(b.get("ms_steps", [])) > 1:
+                    low, high = ratio_interval(a["ms_steps"], b["ms_steps"])
+                    ratio += f" ({low:.2f}-{high:.2f})"
         busy, busy_ratio = "—", "—"
         if a.get("device_ms") is not None and b.get("device_ms") is not None:
             busy = f"{_ms(a['device_ms'])} → {_ms(b['device_ms'])}"
@@ -877,6 +895,33 @@ def ratio_interval(a: list[float], b: list[float], draws: int = 2000, seed: int 
     return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
+def round_means(way: dict) -> list[float] | None:
+    """A way's mean step time in each round, from a run that recorded its rounds; None otherwise
+    (or when a way ran out of memory part way)."""
+    rounds, per_round, steps = way.get("rounds"), way.get("per_round"), way.get("ms_steps", [])
+    if not rounds or not per_round or len(steps) != rounds * per_round:
+        return None
+    return [statistics.fmean(steps[r * per_round : (r + 1) * per_round]) for r in range(rounds)]
+
+
+def paired_ratio(a: dict, b: dict, draws: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
+    """The median over rounds of b's round mean over a's in the same round, and a 90% bootstrap
+    interval of that median (rounds drawn with their pairs): the steps of one round ran within
+    seconds of each other, so a drift of a host-bound step's speed over a cell (the H100's
+    1.5B/1k steps went from 157 to 222 ms between rounds of one way) leaves the ratio alone, where
+    the ratio of two ways' overall medians takes it in. The table marks these ratios ``p``.
+    None: either way's rounds not recorded, or fewer than three."""
+    import random
+
+    ma, mb = round_means(a), round_means(b)
+    if ma is None or mb is None or len(ma) != len(mb) or len(ma) < 3:
+        return None
+    ratios = [y / x for x, y in zip(ma, mb, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return statistics.median(ratios), medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
+
+
 def merged(paths: list[str]) -> dict:
     """The cells of several grid runs' JSON files, in the order given (``--table``)."""
     return {"cells": [cell for path in paths for cell in json.loads(Path(path).read_text())["cells"]]}
@@ -899,6 +944,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", action="store_true", help="the log-prob head alone, per tile (choose_tiles' basis)")
     ap.add_argument("--head-iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per cell (default: by length)")
+    ap.add_argument(
+        "--per-round", type=int, default=None, help="steps of a way in a round (default: by length; 1: alternate steps)"
+    )
     ap.add_argument(
         "--gc-freeze",
         action="store_true",

@@ -320,3 +320,42 @@ def test_skyrls_bf16_path_has_the_gradients_of_its_log_probs() -> None:
     for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
         assert got.dtype == torch.bfloat16
         assert ((got.double() - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_the_paired_ratio_takes_each_rounds_own_ratio_and_ignores_drift_between_rounds(tmp_path, capsys) -> None:
+    # a host whose speed drifts between rounds (100 ms, then 200, then 150) under a way that costs
+    # exactly 2% more in every round: the ratio of medians sees the drift, the paired ratio 1.02
+    base = [100.0, 100.0, 200.0, 200.0, 150.0, 150.0, 120.0, 120.0, 180.0, 180.0]
+    ours = [x * 1.02 for x in base]
+    ours[2], ours[3] = 140.0, 140.0  # ... the third round's pair ran while the host was faster for ours
+    ours_shuffled = ours[2:] + ours[:2]  # the same steps, each a round earlier: unpaired
+
+    def way(steps):
+        return {"ms_steps": steps, "ms": statistics.median(steps), "peak_gib": 1.0, "rounds": 5, "per_round": 2}
+
+    ratio, low, high = step.paired_ratio(way(base), way(ours))
+    assert ratio == pytest.approx(1.02) and low == pytest.approx(0.7) and high == pytest.approx(1.02)
+    assert step.round_means(way(base)) == [100.0, 200.0, 150.0, 120.0, 180.0]
+    assert step.paired_ratio(way(base), way(ours_shuffled))[0] == pytest.approx(122.4 / 150.0)
+    # runs that did not record their rounds, or ran out of memory part way: no paired ratio
+    assert step.paired_ratio({"ms_steps": base}, {"ms_steps": ours}) is None
+    assert step.paired_ratio(way(base), {**way(ours[:8])}) is None
+    assert step.paired_ratio({**way(base[:4]), "rounds": 2}, {**way(ours[:4]), "rounds": 2}) is None  # < 3 rounds
+    cell = {"model": "m", "tokens": 1024, "entropy": False, "tiles": [1, 1],
+            "ways": {"stock": way(base), "fp32patch": way(ours)}}  # fmt: skip
+    (tmp_path / "grid.json").write_text(json.dumps({"cells": [cell]}))
+    assert step.main(["--table", str(tmp_path / "grid.json")]) == 0
+    assert f"| 1.020 ({low:.2f}-{high:.2f}) p |" in capsys.readouterr().out
+
+
+def test_per_round_one_alternates_the_ways_step_by_step(cpu: None, monkeypatch) -> None:
+    monkeypatch.setattr(step, "plan", lambda tokens: (1, 2, 4))
+    model = step.build_model("tiny-tied", "torch")
+    cell = step.Cell(model, 16, step.MODELS["tiny-tied"]["vocab"])
+    order = []
+    real_step = cell.step
+    monkeypatch.setattr(cell, "step", lambda fn, entropy, opt: (order.append(fn), real_step(fn, entropy, opt)))
+    out = step.measure_cell(cell, step._optimizer(model), ["stock", "fp32patch"], False, 16, rounds=6, per_round=1)
+    timed = order[2 : 2 + 12]  # after each way's warm-up step, before the device-time runs
+    assert [timed[i] is timed[i + 2] for i in range(10)] == [False, False] * 5  # a round is one step of each, rotated
+    assert all(out[w]["rounds"] == 6 and out[w]["per_round"] == 1 and len(out[w]["ms_steps"]) == 6 for w in out)
