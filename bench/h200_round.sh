@@ -47,6 +47,20 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 3 ]; then
+    # the pairs still over 1.02x in round 2 (within intervals holding 1.0), over enough rounds
+    # for a 1-2% interval; TRL's pair in its two modes; 7B at 65,536 tokens
+    P="--entropy off --per-round 1"
+    part pairs 120 python bench/step.py --models 0.5B-tied --tokens 1024 $P --rounds 150 \
+        --ways nemo-fused skyrl-fused fp32patch-recompute --out "$WORK/step-pairs-1k-long-$TAG.json"
+    part host 110 python bench/step.py --models 1.5B-untied --tokens 1024 $P --rounds 150 \
+        --ways stock fp32patch --out "$WORK/step-1.5b-1k-long-$TAG.json"
+    part trl 100 python bench/step.py --models 0.5B-tied --tokens 4096 1024 $P --rounds 50 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-bf16grad --out "$WORK/step-trl-modes-$TAG.json"
+    part big 70 python bench/step.py --models 7B-untied --tokens 65536 --entropy off \
+        --ways fp32patch --out "$WORK/step-7b-64k-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 2 ]; then
     P="--entropy off --per-round 1"
     part host 80 python bench/step.py --models 1.5B-untied --tokens 1024 $P --rounds 40 \

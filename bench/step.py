@@ -13,7 +13,8 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   as the library chooses (the logits kept for the backward where they fit: what OpenRLHF's
   actor gets under fp32patch), ``fp32patch-recompute``: never kept, the tile ``choose_tiles``
   chooses (what verl's and NeMo-RL's fused paths get: their own hold no [T, V] tensor),
-  ``fp32patch-trl``: with the tile TRL's path passes (``trl.fused.tile``);
+  ``fp32patch-trl``: with the tile TRL's path passes (``trl.fused.tile``), and
+  ``fp32patch-trl-bf16grad`` the same in mode ``fp32out-bf16grad``;
 * the stacks' own bf16 fused paths, re-implemented in bench/fused_logprobs.py from their
   sources: ``verl-fused`` (``use_fused_kernels``, torch backend, 512-token chunks; it always
   computes the entropy), ``trl-chunked`` (TRL's chunked log-probs, bf16 tiles of 4096 x 32768;
@@ -112,6 +113,7 @@ PAIRS = [
     ("NeMo-RL fused linear log-probs", "nemo-fused", "fp32patch-recompute"),
     ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
     ("SkyRL fused_lm_head_logprob", "skyrl-fused", "fp32patch-recompute"),
+    ("TRL chunked log-probs, fp32out-bf16grad", "trl-chunked", "fp32patch-trl-bf16grad"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
 HEAD_TILES = [None, (8192, 16384), (8192, 32768), (4096, 0), (8192, 0), (16384, 0), (0, 0)]
@@ -269,18 +271,25 @@ def _hidden(model, ids):
     return model.model(ids, use_cache=False).last_hidden_state
 
 
-def _ours(tile=None, always_entropy=False, keep=None):
+def _ours(tile=None, always_entropy=False, keep=None, mode=None):
+    """chunked_logprobs as a way: the tile (or a function of the model and ids giving it), the
+    logits kept or not, and the mode (``MODE`` unless given)."""
+
     def fn(model, ids, targets, entropy):
         rows, vocab = (tile(model, ids) if callable(tile) else tile) or (None, None)
         want = entropy or always_entropy
         out = chunked_logprobs(
-            _hidden(model, ids), model.lm_head.weight, targets, mode=MODE, temperature=TEMPERATURE,
+            _hidden(model, ids), model.lm_head.weight, targets, mode=mode or MODE, temperature=TEMPERATURE,
             entropy=want, chunk_rows=rows, chunk_vocab=vocab, keep_logits=keep,
         )  # fmt: skip
         logp, ent = out if want else (out, None)
         return logp, (ent if entropy else None)
 
     return fn
+
+
+def _trl_tile(model, ids) -> tuple[int, int]:
+    return trl_tile(ids.numel(), *model.lm_head.weight.shape)
 
 
 def _unfused(model, ids, targets, entropy):
@@ -343,7 +352,10 @@ def _with_env(fn: Callable, **env: str) -> Callable:
 WAYS: dict[str, tuple[Callable, bool]] = {
     "stock": (_stock, True),
     "fp32patch": (_ours(), True),
-    "fp32patch-trl": (_ours(lambda model, ids: trl_tile(ids.numel(), *model.lm_head.weight.shape)), False),
+    "fp32patch-trl": (_ours(_trl_tile), False),
+    # the same in the mode whose weight gradient takes the bf16 gradient TRL's own kernel takes
+    # (fp32 logits and log-probs; no column-maxima pass over each tile in the backward)
+    "fp32patch-trl-bf16grad": (_ours(_trl_tile, mode="fp32out-bf16grad"), False),
     "fp32out-unfused": (_unfused, True),
     # the default tile, the logits kept from the forward / computed again in the backward
     "fp32patch-keep": (_ours(keep=True), True),
