@@ -24,7 +24,8 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   token; bench/prime_rl_head.py), against ``fp32patch-prime-rl``, the head fp32patch wires for
   it, and ``skyrl-fused`` (SkyRL's ``fused_lm_head_logprob``, torch backend: 1,024-token chunks
   of the whole vocabulary, the temperature folded into the bf16 weight; log-probs only), whose
-  replacement is ``fp32patch-recompute``. Each is compared with the fp32patch path that replaces
+  replacement is ``fp32patch-skyrl`` (the logits kept where the call is within SkyRL's chunk,
+  ``skyrl.megatron.keep_logits``; recomputed beyond). Each is compared with the fp32patch path that replaces
   it (``PAIRS``).
 * ``fp32patch@R,V``: chunked_logprobs with the tile R tokens x V vocabulary entries (sweeps);
   ``fp32patch-tiledfwd``, ``fp32patch-eager``: diagnostics (the forward without the fused GEMM +
@@ -78,12 +79,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fused_logprobs import NemoRlBf16, TrlBf16Tiles, VerlTorchBf16, skyrl_bf16  # noqa: E402
+from bench.fused_logprobs import NemoRlBf16, SkyrlBf16, TrlBf16Tiles, VerlTorchBf16, skyrl_bf16  # noqa: E402
 from bench.lm_head import env_set  # noqa: E402
 from bench.prime_rl_head import patched as prime_rl_patched  # noqa: E402
 from bench.prime_rl_head import prime_bf16  # noqa: E402
 from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles, chunked_logprobs  # noqa: E402
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
+from fp32patch.runtime.skyrl.megatron import keep_logits as skyrl_keep  # noqa: E402
 from fp32patch.runtime.trl.fused import tile as trl_tile  # noqa: E402
 
 DEVICE = "cuda"
@@ -112,7 +114,7 @@ PAIRS = [
     ("TRL chunked log-probs", "trl-chunked", "fp32patch-trl"),
     ("NeMo-RL fused linear log-probs", "nemo-fused", "fp32patch-recompute"),
     ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
-    ("SkyRL fused_lm_head_logprob", "skyrl-fused", "fp32patch-recompute"),
+    ("SkyRL fused_lm_head_logprob", "skyrl-fused", "fp32patch-skyrl"),
     ("TRL chunked log-probs, fp32out-bf16grad", "trl-chunked", "fp32patch-trl-bf16grad"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
@@ -278,9 +280,10 @@ def _ours(tile=None, always_entropy=False, keep=None, mode=None):
     def fn(model, ids, targets, entropy):
         rows, vocab = (tile(model, ids) if callable(tile) else tile) or (None, None)
         want = entropy or always_entropy
+        kept = keep(ids.numel()) if callable(keep) else keep
         out = chunked_logprobs(
             _hidden(model, ids), model.lm_head.weight, targets, mode=mode or MODE, temperature=TEMPERATURE,
-            entropy=want, chunk_rows=rows, chunk_vocab=vocab, keep_logits=keep,
+            entropy=want, chunk_rows=rows, chunk_vocab=vocab, keep_logits=kept,
         )  # fmt: skip
         logp, ent = out if want else (out, None)
         return logp, (ent if entropy else None)
@@ -370,6 +373,8 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     "prime-rl-fused": (_prime_rl(prime_bf16), True),
     "fp32patch-prime-rl": (_prime_rl(prime_rl_patched), True),
     "skyrl-fused": (_skyrl, False),
+    # what SkyRL's fused path gets: the logits kept where the call is within SkyRL's chunk
+    "fp32patch-skyrl": (_ours(keep=lambda tokens: skyrl_keep(tokens, SkyrlBf16.CHUNK)), True),
 }
 
 

@@ -154,7 +154,7 @@ def _run_gate_off(source: bytes, monkeypatch) -> list[str]:
         assert ns["_fp32patch_entropy_fn"](wrapper, stock) is stock
         # the fused path's gates: no head is wired, so SkyRL's own code runs
         assert ns["_fp32patch_scaled_weight"](6.0, 2.0) == 3.0
-        assert ns["_fp32patch_fused_logprobs"](None, object(), None, 0, None, False) is None
+        assert ns["_fp32patch_fused_logprobs"](None, object(), None, 0, None, False, 1024) is None
         assert ns["_fp32patch_fused_entropy"](None, object(), None, 0.7) is None
     assert not hasattr(wrapper, MARK)
     return imported

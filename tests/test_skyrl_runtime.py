@@ -175,3 +175,42 @@ def test_the_fused_path_computes_fp32_log_probs_of_the_wired_head_only():
         assert (stock.double() - want).abs().max() > 100 * (log_probs.double() - want).abs().max()
     finally:
         forget_all()
+
+
+def test_the_fused_path_keeps_its_logits_only_for_a_call_within_skyrls_own_chunk(monkeypatch):
+    """SkyRL's chunk bounds its own path's memory: a call of more tokens than a chunk never keeps
+    its fp32 logits for the backward (the tiles are computed again), one within a chunk (or with
+    SkyRL's chunking off) lets the chunked piece choose; the same log-probs either way."""
+    import torch
+
+    from fp32patch.runtime.kernels import chunked_logprobs as kernel
+    from fp32patch.runtime.kit.fused import forget_all, remember
+    from fp32patch.runtime.skyrl import fused_logprobs, scaled_weight
+    from fp32patch.runtime.skyrl.megatron import keep_logits
+
+    assert [keep_logits(t, c) for t, c in ((1024, 1024), (1025, 1024), (10, 8), (4096, None))] == [
+        None,
+        False,
+        False,
+        None,
+    ]
+    asked, real = [], kernel.chunked_logprobs
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["keep_logits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "chunked_logprobs", spy)
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 5, 16, generator=gen).bfloat16()
+    weight = torch.nn.Parameter(torch.randn(40, 16, generator=gen).bfloat16())
+    target = torch.randint(0, 40, (2, 5), generator=gen)
+    owner = _Owner(weight)
+    remember([owner], "megatron")
+    try:
+        view = scaled_weight(weight, 0.7)
+        outs = [fused_logprobs(hidden, view, target, 0, None, False, chunk) for chunk in (1024, 4, None)]
+        assert asked == [None, False, None]
+        assert all(torch.equal(outs[0], out) for out in outs[1:])
+    finally:
+        forget_all()

@@ -103,12 +103,12 @@ def _fp32patch_scaled_weight(weight, temperature):
     return runtime.scaled_weight(weight, temperature)
 
 
-def _fp32patch_fused_logprobs(hidden, weight, target, vocab_start, tp_group, inference_only):
+def _fp32patch_fused_logprobs(hidden, weight, target, vocab_start, tp_group, inference_only, chunk_size):
     """The fused LM-head path's token log-probs from fp32patch's fp32 head where weight is one it wired; None: SkyRL's own kernel runs."""
     runtime = _fp32patch_fused_runtime(weight)
     if runtime is None:
         return None
-    return runtime.fused_logprobs(hidden, weight, target, vocab_start, tp_group, inference_only)
+    return runtime.fused_logprobs(hidden, weight, target, vocab_start, tp_group, inference_only, chunk_size)
 
 
 def _fp32patch_fused_entropy(hidden, weight, tp_group, temperature):

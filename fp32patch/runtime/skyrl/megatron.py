@@ -48,12 +48,19 @@ def scaled_weight(weight: Any, temperature: float) -> Any:
 
 
 def fused_logprobs(
-    hidden: Any, weight: Any, target: Any, vocab_start: int, tp_group: Any, inference_only: bool
+    hidden: Any,
+    weight: Any,
+    target: Any,
+    vocab_start: int,
+    tp_group: Any,
+    inference_only: bool,
+    chunk_size: int | None = None,
 ) -> Any | None:
     """SkyRL's ``_fused_lm_head_logprob_apply`` for a wired head: the token log-probs [B, S] (fp32,
     combined over the tensor-parallel ranks) of ``target`` (global ids, [B, S]) from ``hidden``
     [B, S, H] and this rank's weight shard [V / tp, H] starting at ``vocab_start``. None where the
-    weight is no wired head's."""
+    weight is no wired head's. ``chunk_size``: SkyRL's ``trainer.logprobs_chunk_size``, whose
+    chunks bound its own path's memory (``keep_logits``)."""
     found = _head(weight)
     if found is None:
         return None
@@ -78,7 +85,7 @@ def fused_logprobs(
             # (copy_to_..., or gather_from_sequence_parallel_region) whose backward sums their
             # gradient over the group: each rank gives its vocabulary part
             reduce_input_grad=False,
-            keep_logits=False,  # SkyRL's own fused path holds no [T, V] tensor at its peak, nor does this
+            keep_logits=keep_logits(hidden.shape[:-1].numel(), chunk_size),
         )
     STACK.tell_once(
         ("fused", mode, world),
@@ -91,6 +98,21 @@ def fused_logprobs(
         world,
     )
     return log_probs
+
+
+def keep_logits(tokens: int, chunk_size: int | None) -> bool | None:
+    """Whether the chunked piece keeps its fp32 logits from the forward for the backward: never
+    where SkyRL's own path would hold fewer logits than this call has (``tokens`` over its chunk:
+    its peak bounds ours), else as the piece chooses (``chunked_logprobs``: kept up to
+    ``KEEP_LOGITS_BYTES``). SkyRL's chunk holds the chunk's bf16 logits, their fp32 copy and its
+    backward's fp32 gradient: a call of at most a chunk's tokens keeping its fp32 logits stays
+    under that (a whole step at 0.5B/1,024 tokens on an H100: 4.5 GiB kept, 4.0 recomputed,
+    SkyRL's own 5.4), and saves the backward's GEMM and launches where a short step is set by
+    the host (bench/RESULTS.md, 2026-12-05). ``chunk_size`` None: SkyRL holds every token's
+    logits itself."""
+    if chunk_size is not None and tokens > chunk_size:
+        return False
+    return None
 
 
 def fused_entropy(hidden: Any, weight: Any, tp_group: Any, temperature: float) -> Any | None:
