@@ -859,7 +859,7 @@ def table(results: dict) -> str:
         ratio = "—"
         if not (a.get("oom") or b.get("oom")):
             paired = paired_ratio(a, b)
-            if paired is not None:  # rounds recorded (runs from 2026-12-05 17:00 UTC on): ratios of the same round
+            if paired is not None:  # rounds recorded (runs from 2026-12-05 16:50 UTC on): ratios of the same round
                 ratio = f"{paired[0]:.3f} ({paired[1]:.2f}-{paired[2]:.2f}) p"
             else:
                 ratio = f"{b['ms'] / a['ms']:.3f}"
