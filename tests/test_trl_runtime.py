@@ -173,9 +173,13 @@ def test_check_config_names_where_it_ran_logs_what_runs_and_the_notes(log_lines)
 # ---------------------------------------------------------------- the chunked log-probs
 
 
-def _reference(hidden, weight, targets, temperature, dtype=torch.bfloat16):
-    """float64 log-probs and entropy of the ``dtype``-rounded operands, the temperature on the logits."""
-    logits = (hidden.to(dtype).double() @ weight.to(dtype).double().T) / temperature
+def _reference(hidden, weight, targets, temperature, dtype=torch.bfloat16, scale=1.0, cap=None):
+    """float64 log-probs and entropy of the ``dtype``-rounded operands: the logits times ``scale``,
+    capped at ``cap * tanh(z / cap)``, divided by the temperature (TRL's kernel's order)."""
+    logits = (hidden.to(dtype).double() @ weight.to(dtype).double().T) * scale
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    logits = logits / temperature
     logp = torch.log_softmax(logits, -1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
@@ -246,11 +250,33 @@ def test_a_logit_scale_multiplies_the_logits_before_the_temperature_divides_them
     assert torch.allclose(logp.double(), _reference(h, w, t, 0.8 / 0.25)[0], atol=1e-5, rtol=0)
 
 
+def test_a_soft_cap_and_a_scale_are_applied_to_the_fp32_logits_as_trls_kernel_orders_them():
+    """Gemma's final soft-cap with a scale and a temperature: the scale, the cap, then the
+    temperature, on fp32 logits from the bf16 operands: float64's log-probs, entropy and gradients
+    of the same arithmetic, where TRL's own tiles cap bf16-rounded logits."""
+    h, w, t = _inputs(weight_dtype=torch.bfloat16)
+    hidden = h.bfloat16().requires_grad_()
+    weight = torch.nn.Parameter(w)
+    logp, ent, *_ = ChunkedLogProbs("fp32out").apply(hidden, weight, None, t, 0.7, 4096, 5.0, 0.5)
+    ref_h, ref_w = h.bfloat16().double().requires_grad_(), w.double().requires_grad_()
+    want_logp, want_ent = _reference(ref_h, ref_w, t, 0.7, dtype=torch.float64, scale=0.5, cap=5.0)
+    assert (logp.double() - want_logp).abs().max() < 1e-5 and (ent.double() - want_ent).abs().max() < 1e-5
+    uncapped, _ = _reference(h, w, t, 0.7, scale=0.5)
+    assert (uncapped - want_logp).abs().max() > 0.1  # the cap bites at these logits
+    bf16_capped = 5.0 * torch.tanh((h.bfloat16() @ w.T).float() * 0.5 / 5.0)  # what TRL's tiles cap
+    stock = torch.log_softmax(bf16_capped.double() / 0.7, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    assert (stock - want_logp.detach()).abs().max() > 100 * (logp.double() - want_logp).abs().max()
+    (logp.sum() + 0.1 * ent.sum()).backward()
+    (want_logp.sum() + 0.1 * want_ent.sum()).backward()
+    assert (weight.grad.double() - ref_w.grad).abs().max() / ref_w.grad.abs().max() < 1e-2
+    assert (hidden.grad.double() - ref_h.grad).abs().max() / ref_h.grad.abs().max() < 2e-2
+
+
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
         ({"bias": torch.zeros(300)}, "a bias"),
-        ({"final_logit_softcapping": 30.0}, "a soft-cap of 30.0"),
+        ({"final_logit_softcapping": 0.0}, "a soft-cap of 0.0"),
         ({"logit_scale": 0.0}, "a logit scale of 0.0"),
         ({"outputs": ("log_probs", "is_top1", "mean_logits")}, "outputs is_top1, mean_logits"),
     ],
@@ -298,16 +324,16 @@ def test_mark_refuses_what_the_chunked_piece_cannot_compute():
     with_bias.lm_head = torch.nn.Linear(16, 40, bias=True)
     with pytest.raises(UnsupportedLmHeadError, match="the policy's CausalLM.lm_head has a bias"):
         mark(with_bias, "fp32out", role="policy")
-    capped = CausalLM(16, 40)
-    capped.config = types.SimpleNamespace(final_logit_softcapping=30.0)
-    with pytest.raises(UnsupportedLmHeadError, match="final_logit_softcapping=30.0"):
-        mark(capped, "fp32out", role="reference model")
     adapted = CausalLM(16, 40)
     adapted.lm_head.lora_A = torch.nn.ModuleDict()  # what PEFT's LoRA layer holds
     with pytest.raises(UnsupportedLmHeadError, match="adapter"):
         mark(adapted, "fp32out", role="policy")
-    assert not any(hasattr(m, MARK) for m in (with_bias, capped, adapted))
+    assert not any(hasattr(m, MARK) for m in (with_bias, adapted))
     assert getattr(mark(model, "fp32out", role="policy"), MARK) == "fp32out"
+    # a capped model (Gemma's final_logit_softcapping): TRL hands the cap to the chunked piece
+    capped = CausalLM(16, 40)
+    capped.config = types.SimpleNamespace(final_logit_softcapping=30.0)
+    assert getattr(mark(capped, "fp32out", role="reference model"), MARK) == "fp32out"
 
 
 class _Peft(torch.nn.Module):

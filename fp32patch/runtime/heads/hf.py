@@ -298,11 +298,13 @@ def _find_head(model: Any) -> tuple[Any, str]:
     )
 
 
-def chunkable_head(model: Any, *, role: str, turn_off: str) -> tuple[Any, str]:
+def chunkable_head(model: Any, *, role: str, turn_off: str, capped_ok: bool = False) -> tuple[Any, str]:
     """``model``'s LM head and how it was reached, for a stack that computes the head's log-probs
     with ``kernels.chunked_logprobs`` (from hidden states and the weight alone): a head with a
     bias, or a model that soft-caps its final logits, is refused (``UnsupportedLmHeadError``,
-    naming ``role`` and saying to ``turn_off`` the switch)."""
+    naming ``role`` and saying to ``turn_off`` the switch). ``capped_ok``: the stack hands the
+    model's cap to the chunked piece itself (TRL's chunked log-probs), and a capped model is not
+    refused."""
     head, where = _find_head(model)
     if getattr(head, "bias", None) is not None:
         raise UnsupportedLmHeadError(
@@ -312,7 +314,7 @@ def chunkable_head(model: Any, *, role: str, turn_off: str) -> tuple[Any, str]:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)
-    if softcap is not None:
+    if softcap is not None and not capped_ok:
         raise UnsupportedLmHeadError(
             f"fp32 LM head: the {role}'s model caps its logits (final_logit_softcapping={softcap}), which "
             f"fp32patch's chunked log-probs do not do; {turn_off} for this model"

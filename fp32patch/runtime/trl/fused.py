@@ -16,9 +16,11 @@ the call. Under ZeRO-3 a bf16 weight is copied for the backward: the backward mu
 partitioned (emptied) parameter. With DeepSpeed 0.19.8 it never meets one (ZeRO-3's discovery of
 external parameters gathers the head when TRL's forward reads it, and gathers it again before the
 backward; tests/heavy/trl/test_zero3_fused.py), so the copy is a guard for other releases that
-costs one bf16 head from the forward to the backward. Refused, at ``mark`` or at the call: a head with a bias, a final logit soft-cap
-(fp32patch's chunked piece has neither), a logit scale <= 0, outputs other than the log-probs
-and the entropy, and operands in fp32 (a trainer in fp32 throughout).
+costs one bf16 head from the forward to the backward. A final logit soft-cap (Gemma's) and a
+logit scale are applied as TRL's kernel applies them, on the fp32 logits: the scale, then the
+cap, then the temperature. Refused, at ``mark`` or at the call: a head with a bias (fp32patch's
+chunked piece adds none), a logit scale or a cap <= 0, outputs other than the log-probs and the
+entropy, and operands in fp32 (a trainer in fp32 throughout).
 
 Nothing here imports torch at import time.
 """
@@ -49,7 +51,7 @@ def mark(model: Any, mode: str, *, role: str) -> Any:
     from fp32patch.runtime.heads.hf import _check_convertible, _find_head, chunkable_head
 
     _check_convertible(*_find_head(model))  # first: an adapter on the head is the refusal users meet
-    chunkable_head(model, role=role, turn_off="turn fp32_lm_head off")
+    chunkable_head(model, role=role, turn_off="turn fp32_lm_head off", capped_ok=True)
     setattr(model, MARK, mode)
     return model
 
@@ -100,11 +102,12 @@ class ChunkedLogProbs:
         from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
 
         unsupported = [name for name in outputs if name not in OUTPUTS]
-        if unsupported or bias is not None or final_logit_softcapping is not None or not logit_scale > 0:
+        cap = final_logit_softcapping
+        if unsupported or bias is not None or not logit_scale > 0 or (cap is not None and not cap > 0):
             raise UnsupportedLmHeadError(
                 f"fp32 LM head: TRL asks the chunked log-probs for {_asked(unsupported, bias, final_logit_softcapping, logit_scale)}, "
-                f"which fp32patch's chunked piece does not compute (it gives {', '.join(OUTPUTS)} of an unbiased, "
-                "uncapped head); turn fp32_lm_head off for this trainer"
+                f"which fp32patch's chunked piece does not compute (it gives {', '.join(OUTPUTS)} of an unbiased "
+                "head, a positive scale and cap); turn fp32_lm_head off for this trainer"
             )
         dtype = _compute_dtype(hidden)
         operand = weight.to(dtype)
@@ -112,13 +115,17 @@ class ChunkedLogProbs:
             # a ZeRO-3 parameter may be partitioned (emptied) again before the backward reads it
             operand = weight.clone()
         rows, width = tile(targets.numel(), operand.shape[0], operand.shape[1])
-        # the scale multiplies the logits before the temperature divides them: one fp32 division
+        # the scale multiplies the logits before the cap and the temperature: cap(s z) / T is
+        # cap'(z) / (T / s) with the cap c / s (c tanh(s z / c) = s (c / s) tanh(z / (c / s))),
+        # which the chunked piece computes on the fp32 logits
+        scale = float(logit_scale)
         result = chunked_logprobs(
             hidden.to(dtype),
             operand,
             targets,
             mode=self.mode,
-            temperature=float(temperature) / float(logit_scale),
+            temperature=float(temperature) / scale,
+            softcap=None if cap is None else float(cap) / scale,
             entropy="entropy" in outputs,
             chunk_rows=rows,
             chunk_vocab=width,
@@ -151,6 +158,6 @@ def _compute_dtype(hidden: Any) -> Any:
 def _asked(unsupported: list[str], bias: Any, softcap: Any, scale: float) -> str:
     parts = [f"outputs {', '.join(unsupported)}"] if unsupported else []
     parts += ["a bias"] if bias is not None else []
-    parts += [f"a soft-cap of {softcap}"] if softcap is not None else []
+    parts += [f"a soft-cap of {softcap}"] if softcap is not None and not softcap > 0 else []
     parts += [f"a logit scale of {scale}"] if not scale > 0 else []
     return ", ".join(parts)

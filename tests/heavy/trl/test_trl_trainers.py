@@ -114,6 +114,38 @@ def test_a_peft_adapted_head_is_refused(model_dir):
         _trainer(model_dir, peft_config=lora, fp32_lm_head="fp32out")
 
 
+def test_a_soft_capped_model_gets_its_cap_on_the_fp32_logits():
+    """Gemma 2 (``final_logit_softcapping``) through TRL's own ``add_fused_lm_head``, which hands
+    the model's cap to the kernel: fp32patch's chunked piece caps the fp32 logits, then divides
+    by the temperature, as TRL's kernel orders them: float64's answer to ~1e-6, where TRL's own
+    kernel caps bf16-rounded logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from fp32patch.runtime.trl.fused import mark
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          final_logit_softcapping=4.0, tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)  # logits of ~10 before the cap: it bites
+    add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs",))
+    mark(model, "fp32out", role="policy")
+    got = _fused_log_probs(model, IDS)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        hidden = model.model(input_ids=IDS).last_hidden_state[:, :-1].bfloat16().double()
+    z = hidden @ model.lm_head.weight.detach().bfloat16().double().T
+    capped = torch.log_softmax(4.0 * torch.tanh(z / 4.0) / TEMPERATURE, -1).gather(-1, IDS[:, 1:, None])[..., 0]
+    uncapped = torch.log_softmax(z / TEMPERATURE, -1).gather(-1, IDS[:, 1:, None])[..., 0]
+    assert got.dtype == torch.float32 and (uncapped - capped).abs().max() > 0.5
+    assert (got.double() - capped).abs().max() < 2e-5, (got.double() - capped).abs().max()
+    del model._fp32patch_lm_head  # the control: TRL's own kernel
+    stock = _fused_log_probs(model, IDS)
+    assert (stock.double() - capped).abs().max() > 10 * (got.double() - capped).abs().max()
+
+
 @pytest.mark.parametrize(
     ("kind", "overrides", "fragment"),
     [
