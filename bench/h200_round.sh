@@ -20,7 +20,9 @@
 # 4. 7B untied at 32,768 tokens (stock needs 74 GiB at 16,384);
 # 5. a profile of TRL's pair at 4,096 tokens (1.04x TRL's device time: where the 2.6 ms go).
 #
-# The first call (no argument, or 1) is the first of the afternoon's rounds (its JSON is in bench/).
+# The first call (no argument, or 1) is the first of the afternoon's rounds (its JSON is in bench/),
+# the third (3) the long paired runs; the fourth (4) is what they left: SkyRL's fused path as it
+# now runs, TRL's pair at 1k and 16k.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -47,6 +49,19 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 4 ]; then
+    # what the afternoon left for the next device: SkyRL's fused path as it now runs (its logits
+    # kept within SkyRL's chunk) against SkyRL's own at 1k over 90 rounds and at 4k/16k; TRL's
+    # pair in both modes at 1k and 16k; the pairs' 4k cells that round 2 lost to its time limit
+    P="--entropy off --per-round 1"
+    part skyrl 150 python bench/step.py --models 0.5B-tied --tokens 1024 $P --rounds 90 \
+        --ways skyrl-fused fp32patch-skyrl --out "$WORK/step-skyrl-1k-$TAG.json"
+    part skyrl-long 120 python bench/step.py --models 0.5B-tied --tokens 4096 16384 $P --rounds 12 \
+        --ways skyrl-fused fp32patch-skyrl nemo-fused fp32patch-recompute --out "$WORK/step-skyrl-long-$TAG.json"
+    part trl 150 python bench/step.py --models 0.5B-tied --tokens 1024 16384 $P --rounds 20 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-bf16grad --out "$WORK/step-trl-1k16k-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 3 ]; then
     # the pairs still over 1.02x in round 2 (within intervals holding 1.0), over enough rounds
     # for a 1-2% interval; TRL's pair in its two modes; 7B at 65,536 tokens
