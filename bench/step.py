@@ -31,14 +31,14 @@ entropy's gradient runs), the backward and the optimizer step. Ways (``WAYS``):
   ``fp32patch-tiledfwd``, ``fp32patch-eager``: diagnostics (the forward without the fused GEMM +
   logsumexp kernel; no Triton at all).
 
-Timing: every way of a (model, tokens, entropy) cell is warmed up (``--warmup`` steps; the
-first compiles its kernels), then timed in ``--rounds`` interleaved rounds (round r starts r
-ways later) of a few steps each (``--per-round``; 1: the ways alternate step by step); a step is
+Timing: every way of a (model, tokens, entropy) cell is warmed up (``plan``'s warm-up steps;
+the first compiles its kernels), then timed in ``--rounds`` interleaved rounds (round r starts r
+ways later) of one step each by default (``--per-round``: more steps a way in a round); a step is
 timed with CUDA events around the whole step (forward to ``optimizer.zero_grad``); a way's time
 is the median over all its timed steps, and the table's ratio the median over rounds of the two
 ways' ratio within a round (``paired_ratio``: a host-bound step's speed drifts between rounds).
 The device's busy time per step (``device_ms``): the sum of the kernels' and copies' times over a
-round of steps under torch.profiler; at short context a small model's step is set by the host
+round's steps (two at least) under torch.profiler; at short context a small model's step is set by the host
 (launches), and wall time then holds the host's gaps that busy time does not: the table gives
 both ratios. Beside each step's wall time, the host thread's CPU time (``host_ms``: work on the
 host, Python, launches and collections, against waiting) and the time Python's cyclic collector
@@ -477,11 +477,13 @@ def plan(tokens: int) -> tuple[int, int, int]:
     """(warm-up steps, rounds, steps per round): fewer at long context, where a step takes seconds."""
     if DEVICE == "cpu":  # the smoke run checks the logic, not the speed
         return 1, 1, 1
+    # one step a way per round: the table's ratio is paired within rounds (``paired_ratio``), which
+    # a host-paced step's drift between rounds needs (bench/RESULTS.md, 2026-12-05 afternoon)
     if tokens <= 8192:
-        return 2, 3, 4
+        return 2, 24, 1
     if tokens <= 16384:
-        return 2, 3, 2
-    return 1, 2 if tokens >= 65536 else 3, 1
+        return 2, 6, 1
+    return 1, 3, 1
 
 
 def measure_cell(
