@@ -68,6 +68,7 @@ import datetime as dt
 import gc
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -901,17 +902,23 @@ def host_table(results: dict) -> str:
     )
 
 
+def _bootstrap_90(resampled: Callable[[random.Random], float], draws: int, seed: int) -> tuple[float, float]:
+    """The 5th and 95th percentiles of ``draws`` values of ``resampled(rng)``, each computed on a
+    resample drawn with ``rng`` (seeded: the same table every time)."""
+    rng = random.Random(seed)
+    values = sorted(resampled(rng) for _ in range(draws))
+    return values[int(0.05 * draws)], values[int(0.95 * draws) - 1]
+
+
 def ratio_interval(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 90% bootstrap interval of median(b) / median(a) from two ways' timed steps: what the
     spread of a host-bound step lets a ratio claim (the table's ratio column holds it in
     parentheses)."""
-    import random
 
-    rng = random.Random(seed)
-    ratios = sorted(
-        statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a))) for _ in range(draws)
-    )
-    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
+    def ratio(rng: random.Random) -> float:
+        return statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a)))
+
+    return _bootstrap_90(ratio, draws, seed)
 
 
 def round_means(way: dict) -> list[float] | None:
@@ -930,15 +937,12 @@ def paired_ratio(a: dict, b: dict, draws: int = 2000, seed: int = 0) -> tuple[fl
     1.5B/1k steps went from 157 to 222 ms between rounds of one way) leaves the ratio alone, where
     the ratio of two ways' overall medians takes it in. The table marks these ratios ``p``.
     None: either way's rounds not recorded, or fewer than three."""
-    import random
-
     ma, mb = round_means(a), round_means(b)
     if ma is None or mb is None or len(ma) != len(mb) or len(ma) < 3:
         return None
     ratios = [y / x for x, y in zip(ma, mb, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
+    low, high = _bootstrap_90(lambda rng: statistics.median(rng.choices(ratios, k=len(ratios))), draws, seed)
+    return statistics.median(ratios), low, high
 
 
 def merged(paths: list[str]) -> dict:

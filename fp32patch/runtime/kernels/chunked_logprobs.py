@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp32patch.runtime.kernels import triton_tanh  # noqa: F401  (read by the kernels: triton_tanh.tanh)
 from fp32patch.runtime.kernels.fp32out import triton_device
+from fp32patch.runtime.kernels.gemm_lse_triton import kernel_temperature
 from fp32patch.runtime.kernels.lm_head_gemm import (
     _UPCAST_MODES,
     _backward_gemms,
@@ -608,7 +609,7 @@ class _TritonKernels:
         if not rows:
             return
         assert tile.stride(1) == 1
-        scalar, temps, per_row = _kernel_temperature(temperature, stats.m)
+        scalar, temps, per_row = kernel_temperature(temperature, stats.m)
         self._fold[(rows,)](
             tile, tile.stride(0), n, targets, col0, scalar, temps, 1.0 if softcap is None else softcap,
             stats.m, stats.s, stats.s if stats.zs is None else stats.zs, stats.target,
@@ -631,7 +632,7 @@ class _TritonKernels:
         out = out16 if out16 is not None else plain if plain is not None else tile
         assert out.stride(1) == 1 and (plain is None or plain.stride() == out.stride())
         dummy = log_z
-        scalar, temps, per_row = _kernel_temperature(temperature, dummy)
+        scalar, temps, per_row = kernel_temperature(temperature, dummy)
         self._grad[(self._cdiv(rows, self.GRAD_BM), self._cdiv(n, self.GRAD_BN))](
             tile, tile.stride(0), rows, n, targets, col0, scalar, temps, 1.0 if softcap is None else softcap, log_z,
             dummy if entropy is None else entropy,
@@ -647,14 +648,6 @@ class _TritonKernels:
             AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
             BM=self.GRAD_BM, BN=self.GRAD_BN, num_warps=self.GRAD_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
-
-
-def _kernel_temperature(temperature: Any, unused: Any) -> tuple[float, Any, bool]:
-    """A kernel's temperature arguments: (the scalar, the per-row tensor, whether per row);
-    ``unused`` fills the tensor's place when the temperature is one number."""
-    if _is_tensor(temperature):
-        return 1.0, temperature, True
-    return float(temperature), unused, False
 
 
 # ---------------------------------------------------------------- the passes

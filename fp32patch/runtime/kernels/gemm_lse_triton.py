@@ -135,6 +135,15 @@ def _programs(device: torch.device) -> int:
 INTERPRETER_PROGRAMS = 3
 
 
+def kernel_temperature(temperature: Any, filler: Any) -> tuple[float, Any, bool]:
+    """A kernel's temperature arguments (this file's and ``chunked_logprobs``' fold and gradient
+    kernels'): (the scalar, the per-row tensor, whether per row); ``filler`` takes the tensor's
+    place when the temperature is one number."""
+    if isinstance(temperature, (int, float)):
+        return float(temperature), filler, False
+    return 1.0, temperature, True
+
+
 def block_stats(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -168,14 +177,13 @@ def block_stats(
     zs = torch.empty_like(m) if entropy else s
     tiles = triton.cdiv(rows, cfg["BM"]) * blocks
     sms = _programs(device)
-    per_row = not isinstance(temperature, (int, float))
-    scalar = 1.0 if per_row else float(temperature)
+    scalar, temps, per_row = kernel_temperature(temperature, tz)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _kernel()[(min(sms, tiles),)](
             TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]]),
             TensorDescriptor.from_tensor(weight, [cfg["BN"], cfg["BK"]]),
             targets.contiguous(), m, s, zs, tz, rows, cols, hdim, scalar,
-            temperature.contiguous() if per_row else tz, 1.0 if softcap is None else float(softcap),
+            temps.contiguous(), 1.0 if softcap is None else float(softcap),
             SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None, ENTROPY=entropy, NUM_SMS=sms,
             BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
