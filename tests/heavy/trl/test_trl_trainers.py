@@ -118,7 +118,7 @@ def test_a_soft_capped_model_gets_its_cap_on_the_fp32_logits():
     """Gemma 2 (``final_logit_softcapping``) through TRL's own ``add_fused_lm_head``, which hands
     the model's cap to the kernel: fp32patch's chunked piece caps the fp32 logits, then divides
     by the temperature, as TRL's kernel orders them: float64's answer to ~1e-6, where TRL's own
-    kernel caps bf16-rounded logits."""
+    kernel caps bf16-rounded logits; a training step through it has float64's head gradient."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -144,6 +144,23 @@ def test_a_soft_capped_model_gets_its_cap_on_the_fp32_logits():
     del model._fp32patch_lm_head  # the control: TRL's own kernel
     stock = _fused_log_probs(model, IDS)
     assert (stock.double() - capped).abs().max() > 10 * (got.double() - capped).abs().max()
+    mark(model, "fp32out", role="policy")
+    # a training step through it: the head's gradient is float64's of the capped log-probs (the
+    # backbone's hidden states held fixed in the reference), and the optimizer moves the weight
+    adv = torch.linspace(-1.0, 1.0, IDS.shape[1] - 1)[None]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=IDS, attention_mask=torch.ones_like(IDS), labels=IDS, fused_lm_head=True)
+    (-(adv * out.log_probs).mean()).backward()
+    ref_w = model.lm_head.weight.detach().bfloat16().double().requires_grad_()
+    z = hidden @ ref_w.T
+    ref = torch.log_softmax(4.0 * torch.tanh(z / 4.0) / TEMPERATURE, -1).gather(-1, IDS[:, 1:, None])[..., 0]
+    (-(adv.double() * ref).mean()).backward()
+    grad = model.lm_head.weight.grad.double()
+    assert (grad - ref_w.grad).abs().max() / ref_w.grad.abs().max() < 1e-2
+    before = model.lm_head.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.lm_head.weight.detach())
 
 
 @pytest.mark.parametrize(
