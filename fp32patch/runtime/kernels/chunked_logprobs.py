@@ -69,7 +69,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime.kernels import triton_tanh  # noqa: F401  (read by the kernels: triton_tanh.tanh)
+from fp32patch.runtime.kernels import triton_logits  # noqa: F401  (read by the kernels: triton_logits.logits)
 from fp32patch.runtime.kernels.fp32out import triton_device
 from fp32patch.runtime.kernels.gemm_lse_triton import kernel_temperature
 from fp32patch.runtime.kernels.lm_head_gemm import (
@@ -497,9 +497,10 @@ class _TritonKernels:
         import triton
         import triton.language as tl
 
-        # The logits as the distribution sees them (``_logits``): capped, ``cap * tanh(z / cap)``
-        # (CAPPED), then divided by one temperature (SCALED) or by the row's (ROW_TEMPS: ``temps``
-        # holds one per row of the tile); every division rounded as torch's is.
+        # The logits as the distribution sees them (``_logits``; ``triton_logits``): capped,
+        # ``cap * tanh(z / cap)`` (CAPPED), then divided by one temperature (SCALED) or by the
+        # row's (ROW_TEMPS: ``temps`` holds one per row of the tile); every division rounded as
+        # torch's is.
         @triton.jit
         def fold_kernel(
             tile, stride, n_cols, targets, col0, temperature, temps, cap, m_ptr, s_ptr, zs_ptr, tz_ptr,
@@ -520,12 +521,9 @@ class _TritonKernels:
                 cols = start + tl.arange(0, BLOCK)
                 ok = cols < n_cols
                 z = tl.load(base + cols, mask=ok, other=-float("inf")).to(tl.float32)
-                if CAPPED:
-                    z = tl.where(ok, triton_tanh.tanh(tl.div_rn(z, tl.zeros_like(z) + cap)) * cap, -float("inf"))
-                if SCALED:
-                    z = tl.div_rn(z, tl.zeros_like(z) + temperature)
-                if ROW_TEMPS:
-                    z = tl.div_rn(z, tl.zeros_like(z) + row_t)
+                z, _ = triton_logits.logits(z, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
+                if CAPPED:  # the cap made the masked -inf -cap
+                    z = tl.where(ok, z, -float("inf"))
                 new_m = tl.maximum(m, tl.max(z, axis=0))
                 rescale = tl.exp(m - new_m)
                 e = tl.exp(z - new_m)
@@ -540,12 +538,7 @@ class _TritonKernels:
             local = tl.load(targets + row) - col0
             if (local >= 0) & (local < n_cols):
                 zt = tl.load(base + local).to(tl.float32)
-                if CAPPED:
-                    zt = triton_tanh.tanh(tl.div_rn(zt, zt * 0.0 + cap)) * cap
-                if SCALED:
-                    zt = tl.div_rn(zt, zt * 0.0 + temperature)
-                if ROW_TEMPS:
-                    zt = tl.div_rn(zt, zt * 0.0 + row_t)
+                zt, _ = triton_logits.logits(zt, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
                 tl.store(tz_ptr + row, zt)
 
         @triton.jit
@@ -566,14 +559,10 @@ class _TritonKernels:
             rm64 = rm.to(tl.int64)
             ptrs = tile + rm64[:, None] * stride + rn[None, :]
             z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            if CAPPED:
-                capped = triton_tanh.tanh(tl.div_rn(z, tl.zeros_like(z) + cap))
-                z = capped * cap
-            if SCALED:
-                z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+            row_t = 1.0
             if ROW_TEMPS:
-                row_t = tl.zeros_like(z) + tl.load(temps + rm, mask=row_ok, other=1.0)[:, None]
-                z = tl.div_rn(z, row_t)
+                row_t = tl.load(temps + rm, mask=row_ok, other=1.0)[:, None]
+            z, capped = triton_logits.logits(z, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
             log_p = z - tl.load(log_z + rm, mask=row_ok, other=0.0)[:, None]
             p = tl.exp(log_p)
             g = tl.zeros_like(z)
@@ -584,12 +573,7 @@ class _TritonKernels:
             if ENTROPY_GRAD:
                 ge = tl.load(grad_entropy + rm, mask=row_ok, other=0.0)[:, None]
                 g -= ge * p * (log_p + tl.load(entropy + rm, mask=row_ok, other=0.0)[:, None])
-            if SCALED:
-                g = tl.div_rn(g, tl.zeros_like(g) + temperature)
-            if ROW_TEMPS:
-                g = tl.div_rn(g, row_t)
-            if CAPPED:
-                g = g * (1.0 - capped * capped)
+            g = triton_logits.logits_grad(g, capped, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
             g = tl.where(mask, g, 0.0)
             if IN_PLACE:
                 tl.store(ptrs, g.to(tile.dtype.element_ty), mask=mask)

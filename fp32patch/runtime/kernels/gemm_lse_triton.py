@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from fp32patch.runtime.kernels import triton_tanh  # noqa: F401  (read by the kernel: triton_tanh.tanh)
+from fp32patch.runtime.kernels import triton_logits  # noqa: F401  (read by the kernel: triton_logits.logits)
 
 if TYPE_CHECKING:
     import torch
@@ -74,13 +74,10 @@ def _kernel() -> Any:
             rn = pid_n * BN + tl.arange(0, BN)
             row_ok = rm < n_rows
             col_ok = rn < n_cols
-            z = acc
-            if CAPPED:
-                z = triton_tanh.tanh(tl.div_rn(z, tl.zeros_like(z) + cap)) * cap
-            if SCALED:
-                z = tl.div_rn(z, tl.zeros_like(z) + temperature)
+            row_t = 1.0
             if ROW_TEMPS:
-                z = tl.div_rn(z, tl.zeros_like(z) + tl.load(temps + rm, mask=row_ok, other=1.0)[:, None])
+                row_t = tl.load(temps + rm, mask=row_ok, other=1.0)[:, None]
+            z, _ = triton_logits.logits(acc, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
             z = tl.where(col_ok[None, :], z, -float("inf"))
             m = tl.max(z, axis=1)
             e = tl.exp(z - m[:, None])
