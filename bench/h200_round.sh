@@ -22,7 +22,8 @@
 #
 # The first call (no argument, or 1) is the first of the afternoon's rounds (its JSON is in bench/),
 # the third (3) the long paired runs; the fourth (4) is what they left: SkyRL's fused path as it
-# now runs, TRL's pair at 1k and 16k.
+# now runs, TRL's pair at 1k and 16k; the fifth (5) the CUDA tests, TRL's taller tiles, SkyRL's
+# fused path at 32k/64k, 7B at 64k on an H200.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -49,6 +50,24 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 5 ]; then
+    # after round 4: the CUDA tests over the kernels' shared logits transform (triton_logits);
+    # TRL's pair (over 1.02x in fp32out at 4k and 16k) against taller tiles of the same logits
+    # budget, and at 64k; SkyRL's fused path at 32k/64k; 7B at 64k where the card holds it (an
+    # H200); TRL's pair at 1.5B
+    P="--entropy off --per-round 1"
+    part gpu-tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
+    part trl-tall 130 python bench/step.py --models 0.5B-tied --tokens 16384 65536 $P --rounds 8 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-tall fp32patch-trl-bf16grad fp32patch-trl-bf16grad-tall \
+        --out "$WORK/step-trl-tall-$TAG.json"
+    part skyrl-long 90 python bench/step.py --models 0.5B-tied --tokens 32768 65536 $P --rounds 6 \
+        --ways skyrl-fused fp32patch-skyrl --out "$WORK/step-skyrl-32k64k-$TAG.json"
+    part big 140 python bench/step.py --models 7B-untied --tokens 65536 --entropy off --rounds 2 \
+        --ways fp32patch stock --out "$WORK/step-7b-64k-$TAG.json"
+    part trl-1.5b 80 python bench/step.py --models 1.5B-untied --tokens 4096 16384 $P --rounds 12 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-bf16grad --out "$WORK/step-trl-1.5b-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 4 ]; then
     # what the afternoon left for the next device: SkyRL's fused path as it now runs (its logits
     # kept within SkyRL's chunk) against SkyRL's own at 1k over 90 rounds and at 4k/16k; TRL's

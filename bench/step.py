@@ -87,6 +87,7 @@ from bench.prime_rl_head import prime_bf16  # noqa: E402
 from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles, chunked_logprobs  # noqa: E402
 from fp32patch.runtime.kernels.lm_head_gemm import lm_head_linear  # noqa: E402
 from fp32patch.runtime.skyrl.megatron import keep_logits as skyrl_keep  # noqa: E402
+from fp32patch.runtime.trl.fused import TILE_LOGITS as TRL_TILE_LOGITS  # noqa: E402
 from fp32patch.runtime.trl.fused import tile as trl_tile  # noqa: E402
 
 DEVICE = "cuda"
@@ -117,6 +118,8 @@ PAIRS = [
     ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
     ("SkyRL fused_lm_head_logprob", "skyrl-fused", "fp32patch-skyrl"),
     ("TRL chunked log-probs, fp32out-bf16grad", "trl-chunked", "fp32patch-trl-bf16grad"),
+    ("TRL chunked log-probs, taller tiles", "trl-chunked", "fp32patch-trl-tall"),
+    ("TRL chunked log-probs, fp32out-bf16grad, taller tiles", "trl-chunked", "fp32patch-trl-bf16grad-tall"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
 HEAD_TILES = [None, (8192, 16384), (8192, 32768), (4096, 0), (8192, 0), (16384, 0), (0, 0)]
@@ -296,6 +299,13 @@ def _trl_tile(model, ids) -> tuple[int, int]:
     return trl_tile(ids.numel(), *model.lm_head.weight.shape)
 
 
+def _trl_tall_tile(model, ids) -> tuple[int, int]:
+    """TRL's budget of logits (``trl.fused.TILE_LOGITS``) in tiles of up to 16,384 rows: above
+    4,096 tokens fewer row tiles a vocabulary block, so fewer weight-gradient products to add up
+    (each a [block, H] fp32 pass), for narrower blocks (more input-gradient products)."""
+    return choose_tiles(ids.numel(), *model.lm_head.weight.shape, rows=16384, logits=TRL_TILE_LOGITS)
+
+
 def _unfused(model, ids, targets, entropy):
     """The HF head's fp32out GEMM (fp32 logits, no copy), then the stock code from the fp32 logits on:
     the path a trainer gets from the HF head patch alone, without the chunked log-probs."""
@@ -360,6 +370,9 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     # the same in the mode whose weight gradient takes the bf16 gradient TRL's own kernel takes
     # (fp32 logits and log-probs; no column-maxima pass over each tile in the backward)
     "fp32patch-trl-bf16grad": (_ours(_trl_tile, mode="fp32out-bf16grad"), False),
+    # diagnostics: TRL's logits budget in taller tiles, in both modes
+    "fp32patch-trl-tall": (_ours(_trl_tall_tile), False),
+    "fp32patch-trl-bf16grad-tall": (_ours(_trl_tall_tile, mode="fp32out-bf16grad"), False),
     "fp32out-unfused": (_unfused, True),
     # the default tile, the logits kept from the forward / computed again in the backward
     "fp32patch-keep": (_ours(keep=True), True),
