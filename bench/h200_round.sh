@@ -23,7 +23,7 @@
 # The first call (no argument, or 1) is the first of the afternoon's rounds (its JSON is in bench/),
 # the third (3) the long paired runs; the fourth (4) is what they left: SkyRL's fused path as it
 # now runs, TRL's pair at 1k and 16k; the fifth (5) the CUDA tests, TRL's taller tiles, SkyRL's
-# fused path at 32k/64k, 7B at 64k on an H200.
+# fused path at 32k/64k, 7B at 64k on an H200; the sixth (6) TRL's taller tiles at 8k and 64k.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -50,6 +50,21 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 6 ]; then
+    # TRL's path in its taller tiles (trl.fused.ROWS) against TRL's own and against its 4,096-row
+    # tiles at 64k and 8k; SkyRL's fused path at 64k (cut off in round 5); TRL's 1.5B pair at 4k
+    # over more rounds (12 gave 1.056 wall at 1.011 device)
+    P="--entropy off --per-round 1"
+    part trl-64k 100 python bench/step.py --models 0.5B-tied --tokens 65536 $P --rounds 4 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-rows4k --out "$WORK/step-trl-64k-$TAG.json"
+    part trl-8k 70 python bench/step.py --models 0.5B-tied --tokens 8192 $P --rounds 16 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-rows4k fp32patch-trl-bf16grad --out "$WORK/step-trl-8k-$TAG.json"
+    part skyrl-64k 80 python bench/step.py --models 0.5B-tied --tokens 65536 $P --rounds 4 \
+        --ways skyrl-fused fp32patch-skyrl --out "$WORK/step-skyrl-64k-$TAG.json"
+    part trl-1.5b 80 python bench/step.py --models 1.5B-untied --tokens 4096 $P --rounds 40 \
+        --ways trl-chunked fp32patch-trl fp32patch-trl-bf16grad --out "$WORK/step-trl-1.5b-4k-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 5 ]; then
     # after round 4: the CUDA tests over the kernels' shared logits transform (triton_logits);
     # TRL's pair (over 1.02x in fp32out at 4k and 16k) against taller tiles of the same logits

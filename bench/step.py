@@ -118,8 +118,8 @@ PAIRS = [
     ("Prime-RL FusedOutputLinear", "prime-rl-fused", "fp32patch-prime-rl"),
     ("SkyRL fused_lm_head_logprob", "skyrl-fused", "fp32patch-skyrl"),
     ("TRL chunked log-probs, fp32out-bf16grad", "trl-chunked", "fp32patch-trl-bf16grad"),
-    ("TRL chunked log-probs, taller tiles", "trl-chunked", "fp32patch-trl-tall"),
-    ("TRL chunked log-probs, fp32out-bf16grad, taller tiles", "trl-chunked", "fp32patch-trl-bf16grad-tall"),
+    ("TRL chunked log-probs, 4,096-row tiles", "trl-chunked", "fp32patch-trl-rows4k"),
+    ("TRL chunked log-probs, fp32out-bf16grad, 4,096-row tiles", "trl-chunked", "fp32patch-trl-bf16grad-rows4k"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
 HEAD_TILES = [None, (8192, 16384), (8192, 32768), (4096, 0), (8192, 0), (16384, 0), (0, 0)]
@@ -299,11 +299,10 @@ def _trl_tile(model, ids) -> tuple[int, int]:
     return trl_tile(ids.numel(), *model.lm_head.weight.shape)
 
 
-def _trl_tall_tile(model, ids) -> tuple[int, int]:
-    """TRL's budget of logits (``trl.fused.TILE_LOGITS``) in tiles of up to 16,384 rows: above
-    4,096 tokens fewer row tiles a vocabulary block, so fewer weight-gradient products to add up
-    (each a [block, H] fp32 pass), for narrower blocks (more input-gradient products)."""
-    return choose_tiles(ids.numel(), *model.lm_head.weight.shape, rows=16384, logits=TRL_TILE_LOGITS)
+def _trl_rows4k_tile(model, ids) -> tuple[int, int]:
+    """TRL's budget of logits (``trl.fused.TILE_LOGITS``) in tiles of 4,096 rows, TRL's own: the
+    tile TRL's path took before its taller tiles (the same below 4,096 tokens)."""
+    return choose_tiles(ids.numel(), *model.lm_head.weight.shape, rows=4096, logits=TRL_TILE_LOGITS)
 
 
 def _unfused(model, ids, targets, entropy):
@@ -370,9 +369,10 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     # the same in the mode whose weight gradient takes the bf16 gradient TRL's own kernel takes
     # (fp32 logits and log-probs; no column-maxima pass over each tile in the backward)
     "fp32patch-trl-bf16grad": (_ours(_trl_tile, mode="fp32out-bf16grad"), False),
-    # diagnostics: TRL's logits budget in taller tiles, in both modes
-    "fp32patch-trl-tall": (_ours(_trl_tall_tile), False),
-    "fp32patch-trl-bf16grad-tall": (_ours(_trl_tall_tile, mode="fp32out-bf16grad"), False),
+    # diagnostics: TRL's path as it was, in tiles of 4,096 rows (round 5's JSON: the "-tall" ways
+    # are today's fp32patch-trl and fp32patch-trl-bf16grad, its plain ones these)
+    "fp32patch-trl-rows4k": (_ours(_trl_rows4k_tile), False),
+    "fp32patch-trl-bf16grad-rows4k": (_ours(_trl_rows4k_tile, mode="fp32out-bf16grad"), False),
     "fp32out-unfused": (_unfused, True),
     # the default tile, the logits kept from the forward / computed again in the backward
     "fp32patch-keep": (_ours(keep=True), True),

@@ -239,9 +239,16 @@ def test_trls_path_takes_the_tile_measured_against_trls_own(monkeypatch):
     # widened for a short call within them
     assert fused.TILE == (4096, 32768)
     assert (seen["chunk_rows"], seen["chunk_vocab"]) == fused.tile(t.numel(), w.shape[0], w.shape[1])
-    assert fused.tile(16384, 151936, 896) == (4096, 22528)
     assert 8 * 4096 * 22528 <= 0.7 * 2**30 < 0.76 * 2**30  # TRL's tile cost its step 0.76 GiB
-    assert fused.tile(1024, 151936, 896) == (4096, 75968)  # two blocks instead of seven
+    assert fused.tile(1024, 151936, 896) == (16384, 75968)  # two blocks instead of seven
+    assert fused.tile(4096, 151936, 896) == (16384, 21760)  # TRL's rows: seven equal blocks
+    # longer calls: taller tiles of the same logits, one row tile a block up to 16,384 tokens
+    assert fused.tile(8192, 151936, 896) == (16384, 10880)
+    assert fused.tile(16384, 151936, 896) == (16384, 5632)
+    assert fused.tile(65536, 151936, 896) == (16384, 5632)
+    for tokens in (1, 1000, 4096, 5000, 8192, 16384, 20000, 65536):
+        rows, width = fused.tile(tokens, 151936, 896)
+        assert min(rows, tokens) * width <= fused.TILE_LOGITS
 
 
 def test_a_logit_scale_multiplies_the_logits_before_the_temperature_divides_them():

@@ -68,13 +68,21 @@ TILE = (4096, 32768)
 # tokens, 2026-12-05, bench/RESULTS.md: TRL's own tile held the step 0.24 GiB under ours of the
 # same shape). 4096 x 22528 logits: 0.69 GiB, under TRL's with a margin for what was not measured.
 TILE_LOGITS = TILE[0] * 22528
+# The rows a tile may take, within TILE_LOGITS: above 4,096 tokens a tile takes up to this many
+# (narrower), so that a vocabulary block has fewer row tiles whose fp32 weight-gradient products
+# are each added into the block's accumulator (fp32out's scaled product: a [block, H] fp32 pass
+# per tile), for more input-gradient products ([T, H], narrower). 16,384 x 5632 against 4096 x
+# 22528 at 16,384 tokens of a 0.5B model (an H100, 2026-12-05, bench/RESULTS.md): 330.6 against
+# 333.2 ms of device time a step in fp32out, 323.0 against 323.9 in fp32out-bf16grad, the same
+# peak. At or below 4,096 tokens the tile is what it was (one row tile, the same width).
+ROWS = 16384
 
 
 def tile(tokens: int, vocab: int, hidden: int) -> tuple[int, int]:
     """The tile a call of ``tokens`` rows over a ``vocab``-entry head takes."""
     from fp32patch.runtime.kernels.chunked_logprobs import choose_tiles
 
-    return choose_tiles(tokens, vocab, hidden, rows=TILE[0], logits=TILE_LOGITS)
+    return choose_tiles(tokens, vocab, hidden, rows=ROWS, logits=TILE_LOGITS)
 
 
 class ChunkedLogProbs:
