@@ -23,7 +23,8 @@
 # The first call (no argument, or 1) is the first of the afternoon's rounds (its JSON is in bench/),
 # the third (3) the long paired runs; the fourth (4) is what they left: SkyRL's fused path as it
 # now runs, TRL's pair at 1k and 16k; the fifth (5) the CUDA tests, TRL's taller tiles, SkyRL's
-# fused path at 32k/64k, 7B at 64k on an H200; the sixth (6) TRL's taller tiles at 8k and 64k.
+# fused path at 32k/64k, 7B at 64k on an H200; the sixth (6) TRL's taller tiles at 8k and 64k;
+# the seventh (7) SkyRL's fused path at 1.5B and 7B.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -50,6 +51,15 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 7 ]; then
+    # SkyRL's fused path (as wired) against SkyRL's own at the larger shapes
+    P="--entropy off --per-round 1"
+    part skyrl-1.5b 90 python bench/step.py --models 1.5B-untied --tokens 1024 4096 $P --rounds 40 \
+        --ways skyrl-fused fp32patch-skyrl --out "$WORK/step-skyrl-1.5b-$TAG.json"
+    part skyrl-7b 150 python bench/step.py --models 7B-untied --tokens 1024 4096 16384 $P --rounds 8 \
+        --ways skyrl-fused fp32patch-skyrl --out "$WORK/step-skyrl-7b-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 6 ]; then
     # TRL's path in its taller tiles (trl.fused.ROWS) against TRL's own and against its 4,096-row
     # tiles at 64k and 8k; SkyRL's fused path at 64k (cut off in round 5); TRL's 1.5B pair at 4k
