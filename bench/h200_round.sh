@@ -24,7 +24,7 @@
 # the third (3) the long paired runs; the fourth (4) is what they left: SkyRL's fused path as it
 # now runs, TRL's pair at 1k and 16k; the fifth (5) the CUDA tests, TRL's taller tiles, SkyRL's
 # fused path at 32k/64k, 7B at 64k on an H200; the sixth (6) TRL's taller tiles at 8k and 64k;
-# the seventh (7) SkyRL's fused path at 1.5B and 7B.
+# the seventh (7) SkyRL's fused path at 1.5B and 7B; the eighth (8) its 7B/1k cell again.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -51,6 +51,12 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 8 ]; then
+    # round 7's 7B/1k cell over more rounds (8 gave 1.076, interval 1.00-1.24, device 0.93)
+    part skyrl-7b-1k 120 python bench/step.py --models 7B-untied --tokens 1024 --entropy off --per-round 1 \
+        --rounds 40 --ways skyrl-fused fp32patch-skyrl --out "$WORK/step-skyrl-7b-1k-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 7 ]; then
     # SkyRL's fused path (as wired) against SkyRL's own at the larger shapes
     P="--entropy off --per-round 1"
