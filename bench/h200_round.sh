@@ -57,9 +57,9 @@ if [ "$ROUND" = 9 ]; then
     # read 1.051 and 0.928 at 1.5B), with the entropy too; the recomputing way at 3B/1k (1.025
     # unpaired); 7B at 64k where the card holds it (an H200: run with needs_h200)
     P="--per-round 1"
-    part mid-4k 150 python bench/step.py --models 1.5B-untied 3B-tied --tokens 4096 --entropy off $P --rounds 30 \
+    part mid-4k 150 python bench/step.py --models 1.5B-untied 3B-tied --tokens 4096 --entropy off $P --rounds 40 \
         --ways stock fp32patch --out "$WORK/step-mid-4k-paired-$TAG.json"
-    part mid-4k-entropy 100 python bench/step.py --models 1.5B-untied --tokens 4096 --entropy on $P --rounds 24 \
+    part mid-4k-entropy 100 python bench/step.py --models 1.5B-untied --tokens 4096 --entropy on $P --rounds 40 \
         --ways stock fp32patch fp32patch-recompute --out "$WORK/step-1.5b-4k-entropy-$TAG.json"
     part 3b-1k 100 python bench/step.py --models 3B-tied --tokens 1024 --entropy off $P --rounds 40 \
         --ways stock fp32patch-recompute --out "$WORK/step-3b-1k-recompute-$TAG.json"
