@@ -74,7 +74,8 @@ TILE_LOGITS = TILE[0] * 22528
 # per tile), for more input-gradient products ([T, H], narrower). 16,384 x 5632 against 4096 x
 # 22528 at 16,384 tokens of a 0.5B model (an H100, 2026-12-05, bench/RESULTS.md): 330.6 against
 # 333.2 ms of device time a step in fp32out, 323.0 against 323.9 in fp32out-bf16grad, the same
-# peak. At or below 4,096 tokens the tile is what it was (one row tile, the same width).
+# peak. Below 4,096 tokens the tile is what it was; at 4,096 it is one row tile of seven equal
+# blocks (21,760 entries), where 4,096-row tiles took six of 22,528 and one of 16,768.
 ROWS = 16384
 
 
