@@ -25,7 +25,8 @@
 # now runs, TRL's pair at 1k and 16k; the fifth (5) the CUDA tests, TRL's taller tiles, SkyRL's
 # fused path at 32k/64k, 7B at 64k on an H200; the sixth (6) TRL's taller tiles at 8k and 64k;
 # the seventh (7) SkyRL's fused path at 1.5B and 7B; the eighth (8) its 7B/1k cell again; the
-# ninth (9) what issue 44 still waits for (the stock pair paired at 4k, 7B at 64k on an H200).
+# ninth (9) what issue 44 still waits for (the stock pair paired at 4k, 7B at 64k on an H200); the
+# tenth (10) the strip kernel for fp32out's recomputed tiles (its tests, its shapes, TRL's pair).
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -52,6 +53,17 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 10 ]; then
+    # the strip kernel (FP32PATCH_STRIPS=1, off by default until this round): its CUDA tests,
+    # the sweep of its shapes against the two passes at TRL's tiles and a 7B tile, then TRL's pair
+    # through it at 0.5B, 4k and 16k, against TRL's own and the two passes, paired
+    part strip-tests 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_logprobs_cuda.py -k strip
+    part strips 120 python bench/strips.py --json "$WORK/strips-$TAG.json"
+    part trl-strips 240 python bench/step.py --models 0.5B-tied --tokens 4096 16384 --entropy off --per-round 1 \
+        --rounds 30 --ways trl-chunked fp32patch-trl fp32patch-trl-strips fp32patch-trl-bf16grad \
+        --out "$WORK/step-trl-strips-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 9 ]; then
     # what issue 44 still waits for: the stock pair paired at 4k for 1.5B and 3B (unpaired runs
     # read 1.051 and 0.928 at 1.5B), with the entropy too; the recomputing way at 3B/1k (1.025

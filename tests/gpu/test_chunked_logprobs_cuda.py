@@ -207,3 +207,67 @@ def test_the_kernels_tanh_is_fp32_grade_on_the_gpu():
     ulp = (torch.nextafter(ref.float().abs(), torch.tensor(float("inf"), device="cuda")) - ref.float().abs()).double()
     err = ((out.double() - ref).abs() / ulp).max().item()
     assert err <= 8.0, f"{err:.1f} units in the last place off float64's tanh"
+
+
+@pytest.mark.parametrize("rows", [700, 6000])  # one block of tokens held (<= 4096), or two reads of each strip
+@pytest.mark.parametrize(("temperature", "softcap"), [(0.7, None), ("rows", 10.0)])
+def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, temperature, softcap):
+    # the transposed tile's strips (FP32PATCH_STRIPS=1) against the two passes, on the
+    # compiled kernels and a bf16 plain copy: the same scales and copies, transposed
+    from fp32patch.runtime.kernels import chunked_logprobs as cl
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    cols, col0 = 5000, 300
+    tile = torch.randn(rows, cols, device="cuda", generator=gen) * 6
+    tile[:, :64] -= 14  # entries with gradients ~1e-6 of the others': their own scales
+    targets = torch.randint(0, cols + 2 * col0, (rows,), device="cuda", generator=gen)
+    if temperature == "rows":
+        temperature = 0.5 + torch.rand(rows, device="cuda", generator=gen)
+    z = tile.double() if softcap is None else torch.tanh(tile.double() / softcap) * softcap
+    z = z / (temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature)
+    log_p = torch.log_softmax(z, -1)
+    log_z = (z - log_p)[:, 0].float()
+    ent = -(log_p.exp() * log_p).sum(-1).float()
+    g_lp, g_ent = torch.randn(rows, device="cuda", generator=gen), torch.randn(rows, device="cuda", generator=gen)
+    args = (targets, col0, temperature, log_z, ent, g_lp, g_ent * 0.1)
+    kernels = cl._TritonKernels.get()
+    amax = torch.zeros(cols, device="cuda")
+    kernels.grad(tile, *args, in_place=False, amax=amax, softcap=softcap)
+    scale = fp32out.pow2_scales(amax)
+    g16 = torch.empty(tile.shape, dtype=torch.float16, device="cuda")
+    plain = torch.empty(tile.shape, dtype=torch.bfloat16, device="cuda")
+    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain, softcap=softcap)
+    tile_t = tile.t().contiguous()
+    scale_t = torch.empty(cols, device="cuda")
+    g16_t = torch.empty((cols, rows), dtype=torch.float16, device="cuda")
+    plain_t = torch.empty((cols, rows), dtype=torch.bfloat16, device="cuda")
+    kernels.grad_strips(tile_t, *args, scale=scale_t, out16=g16_t, plain=plain_t, softcap=softcap)
+    assert (kernels.strip_shape(rows)[1] >= rows) == (rows <= cl._TritonKernels.STRIP_ONE_BLOCK)
+    assert torch.equal(scale_t, scale)
+    assert torch.equal(g16_t, g16.t())
+    assert torch.equal(plain_t, plain.t())
+
+
+@pytest.mark.parametrize("chunk_rows", [400, 4500])
+def test_a_call_through_the_strips_gives_the_two_passes_numbers(monkeypatch, chunk_rows):
+    from fp32patch.runtime.kernels import chunked_logprobs as cl
+
+    x, w, targets, grad = _problem(5, t=5000, v=16384)
+    got = []
+    for strips in ("0", "1"):
+        monkeypatch.setenv(cl.STRIPS_ENV_VAR, strips)
+        xl = x.clone().requires_grad_()
+        wl = torch.nn.Parameter(w.clone())
+        wl.main_grad = torch.zeros(wl.shape, device="cuda")
+        lp, ent = chunked_logprobs(
+            xl, wl, targets, temperature=0.7, entropy=True, keep_logits=False, fuse_wgrad=True,
+            chunk_rows=chunk_rows, chunk_vocab=6000,
+        )  # fmt: skip
+        ((lp * grad).sum() + 0.1 * ent.sum()).backward()
+        got.append((lp.detach(), ent.detach(), xl.grad, wl.main_grad))
+    (lp1, ent1, dx1, dw1), (lp2, ent2, dx2, dw2) = got
+    assert torch.equal(lp1, lp2) and torch.equal(ent1, ent2)  # the forward is not the strips'
+    # the same copies; the GEMMs take them transposed (their own summation orders, which may
+    # flip the bf16 rounding of a few input-gradient entries)
+    assert _rel(dw2, dw1) < 1e-6
+    assert _rel(dx2, dx1) < 1e-3 and (dx1 == dx2).float().mean() > 0.95

@@ -86,6 +86,8 @@ if TYPE_CHECKING:
 
 # "0" keeps the forward's tiles where the fused GEMM + logsumexp kernel would run (gemm_lse_triton)
 GEMM_LSE_ENV_VAR = "FP32PATCH_GEMM_LSE"
+# "1": fp32out's recomputed backward tiles through the strip kernel (``strips``)
+STRIPS_ENV_VAR = "FP32PATCH_STRIPS"
 
 # Tile sizes measured on an H200 (bench/fused_logprobs.py, bench/RESULTS.md): tokens and
 # vocabulary entries per tile.
@@ -562,18 +564,10 @@ class _TritonKernels:
             row_t = 1.0
             if ROW_TEMPS:
                 row_t = tl.load(temps + rm, mask=row_ok, other=1.0)[:, None]
-            z, capped = triton_logits.logits(z, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
-            log_p = z - tl.load(log_z + rm, mask=row_ok, other=0.0)[:, None]
-            p = tl.exp(log_p)
-            g = tl.zeros_like(z)
-            if LOGP_GRAD:
-                target = tl.load(targets + rm, mask=row_ok, other=-1)
-                hit = ((rn[None, :] + col0) == target[:, None]).to(tl.float32)
-                g += tl.load(grad_logp + rm, mask=row_ok, other=0.0)[:, None] * (hit - p)
-            if ENTROPY_GRAD:
-                ge = tl.load(grad_entropy + rm, mask=row_ok, other=0.0)[:, None]
-                g -= ge * p * (log_p + tl.load(entropy + rm, mask=row_ok, other=0.0)[:, None])
-            g = triton_logits.logits_grad(g, capped, temperature, row_t, CAPPED, SCALED, ROW_TEMPS)
+            g = triton_logits.logprob_grad(
+                z, rm[:, None], row_ok[:, None], rn[None, :] + col0, targets, log_z, grad_logp, entropy,
+                grad_entropy, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS, LOGP_GRAD, ENTROPY_GRAD,
+            )  # fmt: skip
             g = tl.where(mask, g, 0.0)
             if IN_PLACE:
                 tl.store(ptrs, g.to(tile.dtype.element_ty), mask=mask)
@@ -586,7 +580,48 @@ class _TritonKernels:
             if PLAIN:
                 tl.store(plain + out, g.to(plain.dtype.element_ty), mask=mask)
 
-        self._fold, self._grad, self._cdiv = fold_kernel, grad_kernel, triton.cdiv
+        @triton.jit
+        def strip_kernel(
+            tile, stride, n_vocab, n_tokens, targets, col0, temperature, temps, cap, log_z, entropy, grad_logp,
+            grad_entropy, scale, out16, plain, out_stride,
+            SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, LOGP_GRAD: tl.constexpr,
+            ENTROPY_GRAD: tl.constexpr, PLAIN: tl.constexpr, PHASES: tl.constexpr, BV: tl.constexpr,
+            BT: tl.constexpr,
+        ):  # fmt: skip
+            # The tile transposed, [vocabulary entries, tokens]: a program owns BV entries' whole
+            # strips. It takes their gradient's largest magnitudes (PHASES 2: one pass over the
+            # strips; 1: a tile of at most BT tokens, one block, kept), their scales into scale,
+            # then writes fp16(g * scale) into out16 and g in plain's dtype into plain, laid out
+            # as the tile: no atomics, and a strip's second read is its own, soon after its first.
+            rv = tl.program_id(0) * BV + tl.arange(0, BV)
+            v_ok = rv < n_vocab
+            rv64 = rv.to(tl.int64)
+            amax = tl.zeros([BV], dtype=tl.float32)
+            for phase in tl.static_range(PHASES):
+                for t0 in range(0, n_tokens, BT):
+                    rt = t0 + tl.arange(0, BT)
+                    t_ok = rt < n_tokens
+                    mask = v_ok[:, None] & t_ok[None, :]
+                    z = tl.load(tile + rv64[:, None] * stride + rt[None, :], mask=mask, other=0.0).to(tl.float32)
+                    row_t = 1.0
+                    if ROW_TEMPS:
+                        row_t = tl.load(temps + rt, mask=t_ok, other=1.0)[None, :]
+                    g = triton_logits.logprob_grad(
+                        z, rt[None, :], t_ok[None, :], rv[:, None] + col0, targets, log_z, grad_logp, entropy,
+                        grad_entropy, cap, temperature, row_t, CAPPED, SCALED, ROW_TEMPS, LOGP_GRAD, ENTROPY_GRAD,
+                    )  # fmt: skip
+                    g = tl.where(mask, g, 0.0)
+                    if phase == 0:
+                        amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
+                    if phase == PHASES - 1:
+                        c = triton_logits.pow2_scale(amax)
+                        out = rv64[:, None] * out_stride + rt[None, :]
+                        tl.store(out16 + out, (g * c[:, None]).to(tl.float16), mask=mask)
+                        if PLAIN:
+                            tl.store(plain + out, g.to(plain.dtype.element_ty), mask=mask)
+            tl.store(scale + rv, triton_logits.pow2_scale(amax), mask=v_ok)
+
+        self._fold, self._grad, self._strips, self._cdiv = fold_kernel, grad_kernel, strip_kernel, triton.cdiv
 
     def fold(self, tile, targets, col0, temperature, stats: RowStats, softcap: float | None = None) -> None:
         rows, n = tile.shape
@@ -632,6 +667,47 @@ class _TritonKernels:
             AMAX=amax is not None, FP16=out16 is not None, PLAIN=plain is not None,
             BM=self.GRAD_BM, BN=self.GRAD_BN, num_warps=self.GRAD_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
+
+    def grad_strips(
+        self, tile_t, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy, scale, out16,
+        plain=None, softcap=None,
+    ) -> None:  # fmt: skip
+        """For a transposed tile ``tile_t`` [vocabulary entries, tokens]: its gradient's
+        power-of-two scales per entry into ``scale`` [entries], ``fp16(g * scale)`` into
+        ``out16`` and ``g`` into ``plain`` (None: not written), both laid out as ``tile_t``;
+        the bits ``grad`` gives for the same tile, untransposed, in its two passes."""
+        n_vocab, n_tokens = tile_t.shape
+        if not n_vocab or not n_tokens:
+            scale.fill_(1.0)
+            return
+        assert tile_t.stride(1) == 1 and out16.stride(1) == 1
+        assert plain is None or plain.stride() == out16.stride()
+        dummy = log_z
+        scalar, temps, per_row = kernel_temperature(temperature, dummy)
+        bv, bt, warps = self.strip_shape(n_tokens)
+        self._strips[(self._cdiv(n_vocab, bv),)](
+            tile_t, tile_t.stride(0), n_vocab, n_tokens, targets, col0, scalar, temps,
+            1.0 if softcap is None else softcap, log_z,
+            dummy if entropy is None else entropy,
+            dummy if grad_logp is None else grad_logp,
+            dummy if grad_entropy is None else grad_entropy,
+            scale, out16, out16 if plain is None else plain, out16.stride(0),
+            SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None,
+            LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None, PLAIN=plain is not None,
+            PHASES=1 if n_tokens <= bt else 2, BV=bv, BT=bt, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+
+    # Strips: entries a program owns; tokens a block; a tile of at most STRIP_ONE_BLOCK tokens in
+    # one block, held while it is written (not measured on a GPU yet: bench/strips.py sweeps them)
+    STRIP_BV, STRIP_BT, STRIP_WARPS = 4, 1024, 8
+    STRIP_ONE_BLOCK = 4096
+
+    def strip_shape(self, n_tokens: int) -> tuple[int, int, int]:
+        """(entries a program, tokens a block, warps) for a tile of ``n_tokens`` tokens."""
+        if n_tokens <= self.STRIP_ONE_BLOCK:
+            bt = max(16, 1 << (n_tokens - 1).bit_length())
+            return max(1, self.STRIP_BV * self.STRIP_BT // bt), bt, self.STRIP_WARPS
+        return self.STRIP_BV, self.STRIP_BT, self.STRIP_WARPS
 
 
 # ---------------------------------------------------------------- the passes
@@ -802,9 +878,12 @@ def _tile_backward(
 
     from fp32patch.runtime.kernels import fp32out
 
-    tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
-    kernels = _triton(tile)
+    kernels = _triton(block)
+    if kernels is not None and plan.mode == "fp32out" and want_dw and kept is None and strips():
+        if block.dtype in (torch.bfloat16, torch.float16):
+            return _strip_backward(plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled)
+    tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
     if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
         if kept is not None:  # the torch steps write the gradient over the tile
             tile = tile.clone()
@@ -834,19 +913,57 @@ def _tile_backward(
         return None
     if scaled:
         del plain
-        # without an accumulator, the unscale pass writes the share in dw_dtype (in place on
-        # the fp32 product when that is fp32): nothing to zero, nothing to add
-        out_dtype = torch.float32 if acc is not None else dw_dtype
-        x16 = None if x_scaled is None else x_scaled.get("x")
-        if x16 is None:
-            x16, _ = fp32out._fp16_by_column(xr)
-            if x_scaled is not None:
-                x_scaled["x"] = x16
-        return fp32out._scaled_product((g16.t(), scale.view(-1, 1)), xr, out_dtype, acc, b_scaled=x16)
+        return _scaled_weight_grad(g16.t(), scale, xr, acc, dw_dtype, x_scaled)
     if acc is None:
         return fp32out.mm(plain.t(), xr).to(dw_dtype)
     _accumulate_product(acc, plain.t(), xr)
     return acc
+
+
+def strips() -> bool:
+    """Whether fp32out's recomputed tiles take the strip kernel (``FP32PATCH_STRIPS=1``): off
+    until measured on a GPU against the two passes (bench/strips.py)."""
+    return os.environ.get(STRIPS_ENV_VAR, "0") == "1"
+
+
+def _strip_backward(plan: _Plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled):
+    """``_tile_backward`` for a recomputed tile in fp32out, through the strip kernel: the tile
+    computed transposed ([block, rows], ``block @ xr.T``), so that each vocabulary entry's
+    gradient is one contiguous strip whose largest magnitude, scale and 16-bit copies one
+    program writes: one launch where the two passes take three (the maxima, the scales, the
+    copies), and each strip read twice by the program that owns it rather than by two passes
+    over the whole tile. The copies come out transposed, as the weight gradient's GEMM takes
+    its operand (the input gradient's takes a transposed view); the same bits as the passes."""
+    import torch
+
+    tile_t = _fwd_mm(plan.mode, block, xr)
+    scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
+    g16 = torch.empty(tile_t.shape, dtype=torch.float16, device=tile_t.device)
+    plain = None if dx_rows is None else torch.empty(tile_t.shape, dtype=block.dtype, device=tile_t.device)
+    kernels.grad_strips(tile_t, *args, scale=scale, out16=g16, plain=plain, softcap=plan.softcap)
+    del tile_t
+    if plain is not None:
+        _accumulate_product(dx_rows, plain.t(), block)
+        del plain
+    return _scaled_weight_grad(g16, scale, xr, acc, dw_dtype, x_scaled)
+
+
+def _scaled_weight_grad(g16, scale, xr, acc, dw_dtype, x_scaled):
+    """A tile's weight gradient from its gradient's scaled fp16 copy ``g16`` [entries, rows]
+    (scales [entries]): ``acc`` with it added (fp32), or, without an ``acc``, the share alone in
+    ``dw_dtype`` (the unscale pass writes it, in place on the fp32 product when that is fp32:
+    nothing to zero, nothing to add). ``xr``'s scaled copy is made once a call (``x_scaled``)."""
+    import torch
+
+    from fp32patch.runtime.kernels import fp32out
+
+    out_dtype = torch.float32 if acc is not None else dw_dtype
+    x16 = None if x_scaled is None else x_scaled.get("x")
+    if x16 is None:
+        x16, _ = fp32out._fp16_by_column(xr)
+        if x_scaled is not None:
+            x_scaled["x"] = x16
+    return fp32out._scaled_product((g16, scale.view(-1, 1)), xr, out_dtype, acc, b_scaled=x16)
 
 
 # (device type, dtype name) -> whether torch.addmm(..., out_dtype=float32) runs there

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fp32patch.runtime.kernels import triton_logits  # noqa: F401  (read by the kernels: triton_logits.pow2_scale)
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,16 +50,10 @@ def load() -> bool:
 
     @triton.jit
     def scales_kernel(amax, scale, L, BL: tl.constexpr):
-        # scale[l] = the power of two that brings amax[l] (as int32 bits) into [2**13, 2**14):
-        # fp32out._pow2_scale's formula (frexp exponent e = biased exponent - 126, shift =
-        # clamp(14 - e, -100, 100); subnormal maxima clamp to 100 as well; 0, inf and NaN,
-        # whose bits may carry a sign, get 1)
+        # scale[l] = the power of two that brings amax[l] into [2**13, 2**14) (triton_logits)
         rl = tl.program_id(0) * BL + tl.arange(0, BL)
         ok = rl < L
-        bits = tl.load(amax + rl, mask=ok, other=0)
-        shift = tl.minimum(tl.maximum(140 - (bits >> 23), -100), 100)
-        shift = tl.where((bits > 0) & (bits < 0x7F800000), shift, 0)
-        tl.store(scale + rl, ((shift + 127) << 23).to(tl.float32, bitcast=True), mask=ok)
+        tl.store(scale + rl, triton_logits.pow2_scale(tl.load(amax + rl, mask=ok, other=0.0)), mask=ok)
 
     @triton.jit
     def convert_kernel(
@@ -150,9 +146,7 @@ def scales(amax: torch.Tensor) -> torch.Tensor:
     n = amax.numel()
     scale = torch.empty(n, dtype=torch.float32, device=amax.device)
     if n:
-        _KERNELS["scales"][(_KERNELS["cdiv"](n, _SCALES_BL),)](
-            amax.view(torch.int32), scale, n, BL=_SCALES_BL, num_warps=_SCALES_WARPS
-        )
+        _KERNELS["scales"][(_KERNELS["cdiv"](n, _SCALES_BL),)](amax, scale, n, BL=_SCALES_BL, num_warps=_SCALES_WARPS)
     return scale
 
 

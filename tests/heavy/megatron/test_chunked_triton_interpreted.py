@@ -43,9 +43,10 @@ def calls(monkeypatch):
     test knows the path it meant to check is the one that ran."""
     monkeypatch.setattr(fp32out, "TRITON_DEVICE_TYPES", {"cuda", "cpu"})
     monkeypatch.delenv(fp32out.TRITON_ENV_VAR, raising=False)
+    monkeypatch.delenv(cl.STRIPS_ENV_VAR, raising=False)
     kernels = cl._TritonKernels.get()
     assert kernels is not None
-    counts = {"fold": 0, "grad": 0, "gemm_lse": 0}
+    counts = {"fold": 0, "grad": 0, "strips": 0, "gemm_lse": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -56,6 +57,7 @@ def calls(monkeypatch):
 
     monkeypatch.setattr(kernels, "fold", counted("fold", kernels.fold))
     monkeypatch.setattr(kernels, "grad", counted("grad", kernels.grad))
+    monkeypatch.setattr(kernels, "grad_strips", counted("strips", kernels.grad_strips))
     monkeypatch.setattr(gemm_lse_triton, "block_stats", counted("gemm_lse", gemm_lse_triton.block_stats))
     return counts
 
@@ -248,6 +250,104 @@ def test_grad_kernel_with_per_row_temperatures_and_a_cap(calls, monkeypatch):
 
 
 @only_interpreted
+@pytest.mark.parametrize("one_block", [True, False])
+@pytest.mark.parametrize(("temperature", "softcap"), [(0.8, None), ("rows", 20.0)])
+@pytest.mark.parametrize(("grads", "plain"), [("both", True), ("logp", False), ("entropy", True)])
+def test_strip_kernel_gives_the_two_passes_bits(calls, monkeypatch, one_block, temperature, softcap, grads, plain):
+    # the transposed tile's strips against the two passes over the tile: the same scales and
+    # the same 16-bit copies, transposed, bit for bit; in one held block of tokens, or in
+    # blocks of 32 tokens read twice (70 tokens: ragged)
+    gen = torch.Generator().manual_seed(9)
+    rows, col0 = 70, 100
+    tile = torch.randn(rows, V, generator=gen) * 4
+    tile[:, :RARE] -= 12  # entries whose gradients are ~1e-5 of the others': their own scales
+    # targets in this block and past it, none among the rare entries (a target's gradient is not small)
+    targets = torch.randint(col0 + RARE, V + 2 * col0, (rows,), generator=gen)
+    temps = _temperature(temperature, rows, gen)
+    z = tile.double()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z / (temps.double()[:, None] if isinstance(temps, torch.Tensor) else temps)
+    log_z = torch.logsumexp(z, dim=1)
+    log_p = z - log_z[:, None]
+    ent = -(log_p.exp() * log_p).sum(1)
+    g_lp = torch.randn(rows, generator=gen) if grads != "entropy" else None
+    g_ent = torch.randn(rows, generator=gen) * 0.1 if grads != "logp" else None
+    args = (targets, col0, temps, log_z.float(), ent.float() if g_ent is not None else None, g_lp, g_ent)
+
+    kernels = cl._TritonKernels.get()
+    amax = torch.zeros(V)
+    kernels.grad(tile, *args, in_place=False, amax=amax, softcap=softcap)
+    scale = fp32out._pow2_scale(amax)
+    g16, pl = torch.empty(tile.shape, dtype=torch.float16), torch.empty(tile.shape, dtype=torch.float16)
+    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=pl, softcap=softcap)
+    assert calls["grad"] == 2
+
+    if not one_block:
+        monkeypatch.setattr(cl._TritonKernels, "STRIP_ONE_BLOCK", 16)
+        monkeypatch.setattr(cl._TritonKernels, "STRIP_BT", 32)
+        monkeypatch.setattr(cl._TritonKernels, "STRIP_BV", 32)  # (fewer programs: the interpreter's time)
+    bv, bt, _ = kernels.strip_shape(rows)
+    assert (bt >= rows) == one_block and (bv, bt) == (32, 128 if one_block else 32)
+    tile_t = tile.t().contiguous()
+    scale_t = torch.full((V,), float("nan"))
+    g16_t = torch.empty((V, rows), dtype=torch.float16)
+    pl_t = torch.empty((V, rows), dtype=torch.float16) if plain else None
+    kernels.grad_strips(tile_t, *args, scale=scale_t, out16=g16_t, plain=pl_t, softcap=softcap)
+    assert calls["strips"] == 1
+    assert torch.equal(tile_t, tile.t())  # read, not written
+    assert torch.equal(scale_t.view(torch.int32), scale.view(torch.int32))
+    assert torch.equal(g16_t, g16.t())
+    if plain:
+        assert torch.equal(pl_t, pl.t())
+    # the rare entries kept fp16's 11 bits: every entry's largest lands in [2**13, 2**14]
+    top = g16_t.float().abs().amax(dim=1)
+    assert (((top >= 2**13) & (top <= 2**14)) | (amax == 0)).all()
+    assert amax[:RARE].median() < amax[RARE:].median() * 1e-2  # (so they do need their own)
+
+
+@only_interpreted
+@pytest.mark.parametrize("main_grad", [False, True])
+@pytest.mark.parametrize("temperature", [0.7, "rows"])
+def test_whole_call_through_the_strips_gives_the_two_passes_numbers(calls, monkeypatch, main_grad, temperature):
+    x, w, targets, grad = _problem(10)
+    temps = _temperature(temperature, T, torch.Generator().manual_seed(11))
+    kw = dict(mode="fp32out", temperature=temps, keep_logits=False, chunk_rows=40, chunk_vocab=256)
+    passes = _step(x, w, targets, grad, main_grad=main_grad, **kw)
+    steps = 2 if main_grad else 1
+    assert (calls["grad"], calls["strips"]) == (steps * 2 * 9, 0)
+    monkeypatch.setenv(cl.STRIPS_ENV_VAR, "1")
+    strip = _step(x, w, targets, grad, main_grad=main_grad, **kw)
+    assert (calls["grad"], calls["strips"]) == (steps * 2 * 9, steps * 9)  # every tile, and nothing else
+    names = ("log-probs", "entropy", "input gradient", "weight gradient")
+    for name, a, b in zip(names, strip, passes, strict=True):
+        if name in names[:2]:
+            assert torch.equal(a, b), name  # the forward is not the strips'
+        else:
+            # the same copies; the GEMMs take them transposed, which may order their sums otherwise
+            _close(a, b, 1e-6, name)
+    if main_grad:  # row by row of the fp32 weight gradient (fp16's rounds the rare rows to 0)
+        rows = (strip[3].double() - passes[3].double()).abs().amax(1) / passes[3].double().abs().amax(1)
+        assert rows.max() <= 1e-5, f"a row of the weight gradient {rows.max().item():.2e} off, row by row"
+    ref = _float64(x, w, targets, grad, temps)
+    for name, a, r in zip(names, strip, ref, strict=True):
+        _close(a, r, {"log-probs": 1e-6, "entropy": 3e-6}.get(name, 1e-3), f"{name} against float64")
+
+
+@only_interpreted
+@pytest.mark.parametrize("tiles", ["kept", "bf16grad", "no weight gradient"])
+def test_the_strips_take_only_recomputed_fp32out_tiles_with_a_weight_gradient(calls, monkeypatch, tiles):
+    x, w, targets, grad = _problem(12)
+    monkeypatch.setenv(cl.STRIPS_ENV_VAR, "1")
+    kw = dict(mode="fp32out-bf16grad" if tiles == "bf16grad" else "fp32out", temperature=0.7)
+    kw.update(keep_logits=True) if tiles == "kept" else kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)
+    xl = x.clone().requires_grad_()
+    wl = torch.nn.Parameter(w.clone(), requires_grad=tiles != "no weight gradient")
+    cl.chunked_logprobs(xl, wl, targets, **kw).mul(grad).sum().backward()
+    assert calls["strips"] == 0 and calls["grad"] > 0
+
+
+@only_interpreted
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize(("temperature", "softcap"), [(0.7, None), ("rows", None), ("rows", 3.0)])
 def test_fused_gemm_logsumexp_forward_gives_the_folded_statistics(calls, monkeypatch, entropy, temperature, softcap):
@@ -412,3 +512,18 @@ def test_the_scales_kernel_gives_the_torch_formulas_bits(monkeypatch):
     got = fp32out.pow2_scales(amax)
     assert seen == [1]  # the kernel ran, not the torch formula
     assert torch.equal(got.view(torch.int32), fp32out._pow2_scale(amax).view(torch.int32))
+
+
+@only_interpreted
+def test_the_strips_benchmark_runs_and_checks_its_copies(calls):
+    # bench/strips.py's CPU smoke run: a tiny tile each way, the strips' copies checked bit for
+    # bit against the passes' inside it (a difference ends it with SystemExit)
+    from bench import strips
+
+    results = strips.main(["--smoke"])
+    (shape,) = results["shapes"]
+    assert shape["shape"] == [40, 32, 300]
+    assert set(shape["tile"]) == {"passes", "bf16grad", "strips 8,64,4", "strips 16,16,4", "strips (default)"}
+    assert shape["convert"]["strips 8,64,4"]["one_block"] and not shape["convert"]["strips 16,16,4"]["one_block"]
+    assert all(r["ms"] > 0 for r in shape["tile"].values())
+    assert calls["strips"] >= 3 and calls["grad"] >= 4

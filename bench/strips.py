@@ -1,0 +1,253 @@
+"""fp32out's recomputed backward tile, two passes against the strip kernel, on a GPU.
+
+    python bench/strips.py [--shape ROWS,HIDDEN,ENTRIES ...] [--config BV,BT,WARPS ...] [--json out.json]
+
+A recomputed tile's backward in mode fp32out (``chunked_logprobs._tile_backward``) turns the
+tile's fp32 logits into two 16-bit copies of their gradient: fp16 scaled per vocabulary entry
+for the weight gradient, bf16 for the input gradient. The scales need each entry's largest
+gradient before any copy is written, so the kernels read the tile twice: one pass over the
+whole tile for the maxima (atomics across row blocks), one more for the copies (``passes``).
+The strip kernel (``FP32PATCH_STRIPS=1``) computes the tile transposed and gives each program
+whole strips of entries: it reads its strips twice itself, soon after, or holds them in one
+block of tokens when a tile has few enough (``ONE_BLOCK``), and writes the scales with the
+copies (``strips BV,BT,WARPS``: entries a program, tokens a block, warps).
+
+For each shape (a tile of ROWS tokens by ENTRIES vocabulary entries of a HIDDEN-wide head;
+the defaults are TRL's tiles at 0.5B/4k and 16k, 1.5B/4k, and the default tile of a 7B head),
+it times, with CUDA events (median of 20 calls after 3):
+
+- ``convert``: the copies alone from a computed tile, each way, and the bandwidth it reaches
+  (the bytes each way must move: passes 12 a logit, strips 8, bf16grad's one pass 6);
+- ``tile``: the whole tile's backward as the call runs it (its GEMM again, the copies, the
+  input gradient's GEMM, the weight gradient's GEMM and unscale), each way, and in mode
+  ``fp32out-bf16grad`` (the floor: one pass, no scales).
+
+Every strip configuration's copies are checked bit for bit against the passes' first. On the
+CPU (``--smoke``, under ``TRITON_INTERPRET=1``) it runs a tiny shape once to check its logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fp32patch.runtime.kernels import chunked_logprobs as cl  # noqa: E402
+from fp32patch.runtime.kernels import fp32out  # noqa: E402
+from fp32patch.runtime.trl.fused import tile as trl_tile  # noqa: E402
+
+TEMPERATURE = 0.7
+# (rows, hidden, entries): TRL's tiles of a 0.5B head (896 x 151,936) at 4k and 16k tokens, of a
+# 1.5B head (1536) at 4k, and choose_tiles' tile of a 7B head (3584 x 152,064) at 16k
+SHAPES = [
+    (4096, 896, trl_tile(4096, 151936, 896)[1]),
+    (16384, 896, trl_tile(16384, 151936, 896)[1]),
+    (4096, 1536, trl_tile(4096, 151936, 1536)[1]),
+    (cl.choose_tiles(16384, 152064, 3584)[0], 3584, cl.choose_tiles(16384, 152064, 3584)[1]),
+]
+# (entries a program, tokens a block, warps): one held block for tiles of up to 4,096 tokens,
+# strips read twice in blocks for taller ones
+CONFIGS = [
+    (1, 4096, 8), (1, 4096, 16), (2, 4096, 16), (4, 4096, 16),
+    (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (4, 2048, 8), (8, 1024, 8), (16, 512, 8),
+]  # fmt: skip
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+WARMUP = 3
+
+
+def time_ms(fn, iters: int = 20) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(iters):
+        if _device() == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+class Problem:
+    """One tile's operands and the per-token statistics its gradient needs."""
+
+    def __init__(self, rows: int, hidden: int, entries: int, dtype: torch.dtype, seed: int = 0) -> None:
+        dev = _device()
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        self.x = torch.randn(rows, hidden, device=dev, generator=gen).to(dtype)
+        self.w = (torch.randn(entries, hidden, device=dev, generator=gen) * (2.0 / hidden**0.5)).to(dtype)
+        self.tile = fp32out.mm(self.x, self.w.t())
+        z = self.tile / TEMPERATURE
+        # the tile's own log Z plus a constant: the rest of the vocabulary's share
+        log_z = torch.logsumexp(z, dim=1) + 2.0
+        targets = torch.randint(0, entries * 2, (rows,), device=dev, generator=gen)
+        grad_logp = torch.randn(rows, device=dev, generator=gen) / rows
+        self.rows = cl._RowGrads(targets, 0, TEMPERATURE, log_z, None, grad_logp, None)
+        self.plan = cl._Plan("fp32out", TEMPERATURE, False, None, 0, False, False, rows, entries)
+        self.args = (targets, 0, TEMPERATURE, log_z, None, grad_logp, None)
+
+
+def passes_convert(k, p: Problem, plain_dtype):
+    amax = torch.zeros(p.tile.shape[1], dtype=torch.float32, device=p.tile.device)
+    k.grad(p.tile, *p.args, in_place=False, amax=amax)
+    scale = fp32out.pow2_scales(amax)
+    g16 = torch.empty(p.tile.shape, dtype=torch.float16, device=p.tile.device)
+    plain = torch.empty(p.tile.shape, dtype=plain_dtype, device=p.tile.device)
+    k.grad(p.tile, *p.args, in_place=False, scale=scale, out16=g16, plain=plain)
+    return scale, g16, plain
+
+
+def strips_convert(k, p: Problem, tile_t, plain_dtype):
+    scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
+    g16 = torch.empty(tile_t.shape, dtype=torch.float16, device=tile_t.device)
+    plain = torch.empty(tile_t.shape, dtype=plain_dtype, device=tile_t.device)
+    k.grad_strips(tile_t, *p.args, scale=scale, out16=g16, plain=plain)
+    return scale, g16, plain
+
+
+def bf16grad_convert(k, p: Problem, plain_dtype):
+    plain = torch.empty(p.tile.shape, dtype=plain_dtype, device=p.tile.device)
+    k.grad(p.tile, *p.args, in_place=False, plain=plain)
+    return plain
+
+
+def tile_backward(p: Problem, mode: str = "fp32out"):
+    plan = dataclasses.replace(p.plan, mode=mode)
+    dx = torch.zeros(p.x.shape, dtype=torch.float32, device=p.x.device)
+    with cl._precision(plan.mode, p.x.device):
+        return cl._tile_backward(plan, p.x, p.w, p.rows, dx, True, None, p.w.dtype, None, {})
+
+
+class Env:
+    def __init__(self, **env: str) -> None:
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        for key, value in self.env.items():
+            self.old[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def __exit__(self, *exc):
+        for key, value in self.old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_shape(rows: int, hidden: int, entries: int, configs: list[tuple[int, int, int]], iters: int) -> dict:
+    dtype = torch.bfloat16 if _device() == "cuda" else torch.float16  # (the interpreter stores no bf16)
+    p = Problem(rows, hidden, entries, dtype)
+    k = cl._TritonKernels.get()
+    assert k is not None, "the Triton kernels are not available"
+    tile_t = p.tile.t().contiguous()
+    logits = rows * entries
+    gb = logits / 1e9
+    out: dict = {"shape": [rows, hidden, entries], "convert": {}, "tile": {}}
+
+    ref = passes_convert(k, p, dtype)
+    ms = time_ms(lambda: passes_convert(k, p, dtype), iters=iters)
+    out["convert"]["passes"] = {"ms": ms, "GB/s": 12 * gb / ms * 1e3}
+    ms = time_ms(lambda: bf16grad_convert(k, p, dtype), iters=iters)
+    out["convert"]["bf16grad"] = {"ms": ms, "GB/s": 6 * gb / ms * 1e3}
+    with Env(FP32PATCH_STRIPS="0"):
+        out["tile"]["passes"] = {"ms": time_ms(lambda: tile_backward(p), iters=iters)}
+    out["tile"]["bf16grad"] = {"ms": time_ms(lambda: tile_backward(p, "fp32out-bf16grad"), iters=iters)}
+    try:
+        for bv, bt, warps in configs:
+            name = f"strips {bv},{bt},{warps}"
+            k.strip_shape = lambda n, c=(bv, bt, warps): c
+            got = strips_convert(k, p, tile_t, dtype)
+            same = all(torch.equal(a, b) for a, b in zip(got, (ref[0], ref[1].t(), ref[2].t()), strict=True))
+            if not same:
+                raise SystemExit(
+                    f"bench/strips.py: {name} at {rows}x{hidden}x{entries}: copies differ from the passes'"
+                )
+            ms = time_ms(lambda: strips_convert(k, p, tile_t, dtype), iters=iters)
+            out["convert"][name] = {"ms": ms, "GB/s": 8 * gb / ms * 1e3, "one_block": bt >= rows}
+            with Env(FP32PATCH_STRIPS="1"):
+                out["tile"][name] = {"ms": time_ms(lambda: tile_backward(p), iters=iters)}
+        del k.strip_shape  # the class's again
+        default = k.strip_shape(rows)
+        with Env(FP32PATCH_STRIPS="1"):
+            out["tile"]["strips (default)"] = {"ms": time_ms(lambda: tile_backward(p), iters=iters), "config": default}
+    finally:
+        k.__dict__.pop("strip_shape", None)
+    return out
+
+
+def report(results: dict) -> str:
+    lines = []
+    for r in results["shapes"]:
+        rows, hidden, entries = r["shape"]
+        lines.append(f"\n{rows} tokens x {entries} entries, hidden {hidden}")
+        base_c, base_t = r["convert"]["passes"]["ms"], r["tile"]["passes"]["ms"]
+        lines.append(f"  {'way':<24} {'copies ms':>10} {'x passes':>9} {'GB/s':>7} {'tile ms':>9} {'x passes':>9}")
+        for name in r["tile"]:
+            c = r["convert"].get(name.replace(" (default)", ""), {})
+            t = r["tile"][name]["ms"]
+            cms = c.get("ms")
+            copies = "" if cms is None else f"{cms:.3f}"
+            ratio = "" if cms is None else f"{cms / base_c:.3f}"
+            lines.append(f"  {name:<24} {copies:>10} {ratio:>9} {c.get('GB/s', 0):>7.0f} {t:>9.3f} {t / base_t:>9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", help="ROWS,HIDDEN,ENTRIES (repeatable)")
+    ap.add_argument("--config", action="append", help="BV,BT,WARPS (repeatable)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape, once (the CPU, under TRITON_INTERPRET=1)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else SHAPES
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.config] if args.config else CONFIGS
+    iters = args.iters
+    if args.smoke:
+        global WARMUP
+        shapes, configs, iters, WARMUP = [(40, 32, 300)], [(8, 64, 4), (16, 16, 4)], 1, 0
+        fp32out.TRITON_DEVICE_TYPES = {"cuda", "cpu"}
+    machine = {"python": platform.python_version(), "torch": torch.__version__}
+    machine["gpu"] = torch.cuda.get_device_name(0) if _device() == "cuda" else "none (the Triton interpreter)"
+    try:
+        import triton
+
+        machine["triton"] = triton.__version__
+    except ImportError:
+        machine["triton"] = None
+    results = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine,
+        "shapes": [run_shape(*s, configs, iters) for s in shapes],
+    }
+    print(f"bench/strips.py, {results['date']}, {machine['gpu']}", report(results), sep="\n")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
