@@ -54,10 +54,11 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     pack
 }
 if [ "$ROUND" = 10 ]; then
-    # the strip kernel (FP32PATCH_STRIPS=1, off by default until this round): its CUDA tests,
+    # the strip kernel (FP32PATCH_STRIPS=1, off by default until this round): the CUDA tests (its
+    # own, and the gradient and scales kernels that now take their formulas from triton_logits),
     # the sweep of its shapes against the two passes at TRL's tiles and a 7B tile, then TRL's pair
     # through it at 0.5B, 4k and 16k, against TRL's own and the two passes, paired
-    part strip-tests 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_logprobs_cuda.py -k strip
+    part gpu-tests 150 python -m pytest -q -p no:cacheprovider tests/gpu
     part strips 120 python bench/strips.py --json "$WORK/strips-$TAG.json"
     part trl-strips 240 python bench/step.py --models 0.5B-tied --tokens 4096 16384 --entropy off --per-round 1 \
         --rounds 30 --ways trl-chunked fp32patch-trl fp32patch-trl-strips fp32patch-trl-bf16grad \
