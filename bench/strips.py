@@ -61,6 +61,8 @@ CONFIGS = [
     (1, 4096, 8), (1, 4096, 16), (2, 4096, 16), (4, 4096, 16),
     (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (4, 2048, 8), (8, 1024, 8), (16, 512, 8),
 ]  # fmt: skip
+# the same for a kept row-major tile: entries a program (a contiguous segment of each row), tokens a block
+ROW_CONFIGS = [(16, 128, 4), (32, 128, 8), (32, 256, 8), (64, 64, 8), (64, 128, 8), (128, 64, 8)]
 
 
 def _device() -> str:
@@ -120,9 +122,14 @@ def passes_convert(k, p: Problem, plain_dtype):
 
 
 def strips_convert(k, p: Problem, tile_t, plain_dtype):
+    """The strips' copies, laid out as ``tile_t`` is (contiguous, or a row-major tile's view)."""
+    kept = tile_t.stride(1) != 1
+    shape = tuple(reversed(tile_t.shape)) if kept else tuple(tile_t.shape)
     scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
-    g16 = torch.empty(tile_t.shape, dtype=torch.float16, device=tile_t.device)
-    plain = torch.empty(tile_t.shape, dtype=plain_dtype, device=tile_t.device)
+    g16 = torch.empty(shape, dtype=torch.float16, device=tile_t.device)
+    plain = torch.empty(shape, dtype=plain_dtype, device=tile_t.device)
+    if kept:
+        g16, plain = g16.t(), plain.t()
     k.grad_strips(tile_t, *p.args, scale=scale, out16=g16, plain=plain)
     return scale, g16, plain
 
@@ -133,11 +140,11 @@ def bf16grad_convert(k, p: Problem, plain_dtype):
     return plain
 
 
-def tile_backward(p: Problem, mode: str = "fp32out"):
-    plan = dataclasses.replace(p.plan, mode=mode)
+def tile_backward(p: Problem, mode: str = "fp32out", kept: bool = False):
+    plan = dataclasses.replace(p.plan, mode=mode, keep=kept)
     dx = torch.zeros(p.x.shape, dtype=torch.float32, device=p.x.device)
     with cl._precision(plan.mode, p.x.device):
-        return cl._tile_backward(plan, p.x, p.w, p.rows, dx, True, None, p.w.dtype, None, {})
+        return cl._tile_backward(plan, p.x, p.w, p.rows, dx, True, None, p.w.dtype, p.tile if kept else None, {})
 
 
 class Env:
@@ -157,78 +164,97 @@ class Env:
                 os.environ[key] = value
 
 
-def run_shape(rows: int, hidden: int, entries: int, configs: list[tuple[int, int, int]], iters: int) -> dict:
+def run_shape(rows: int, hidden: int, entries: int, configs: dict[str, list], iters: int) -> dict:
+    """Both layouts of one shape: ``computed`` (the backward computes the tile again, transposed
+    for the strips) and ``kept`` (the forward's row-major tile, read through its view)."""
     dtype = torch.bfloat16 if _device() == "cuda" else torch.float16  # (the interpreter stores no bf16)
     p = Problem(rows, hidden, entries, dtype)
     k = cl._TritonKernels.get()
     assert k is not None, "the Triton kernels are not available"
-    tile_t = p.tile.t().contiguous()
-    logits = rows * entries
-    gb = logits / 1e9
-    out: dict = {"shape": [rows, hidden, entries], "convert": {}, "tile": {}}
-
-    ref = passes_convert(k, p, dtype)
+    gb = rows * entries / 1e9
     ms = time_ms(lambda: passes_convert(k, p, dtype), iters=iters)
-    out["convert"]["passes"] = {"ms": ms, "GB/s": 12 * gb / ms * 1e3}
+    convert = {"passes": {"ms": ms, "GB/s": 12 * gb / ms * 1e3}}
     ms = time_ms(lambda: bf16grad_convert(k, p, dtype), iters=iters)
-    out["convert"]["bf16grad"] = {"ms": ms, "GB/s": 6 * gb / ms * 1e3}
-    with Env(FP32PATCH_STRIPS="0"):
-        out["tile"]["passes"] = {"ms": time_ms(lambda: tile_backward(p), iters=iters)}
-    out["tile"]["bf16grad"] = {"ms": time_ms(lambda: tile_backward(p, "fp32out-bf16grad"), iters=iters)}
+    convert["bf16grad"] = {"ms": ms, "GB/s": 6 * gb / ms * 1e3}
+    out: dict = {"shape": [rows, hidden, entries]}
     try:
-        for bv, bt, warps in configs:
-            name = f"strips {bv},{bt},{warps}"
-            k.strip_shape = lambda n, c=(bv, bt, warps): c
-            got = strips_convert(k, p, tile_t, dtype)
-            same = all(torch.equal(a, b) for a, b in zip(got, (ref[0], ref[1].t(), ref[2].t()), strict=True))
-            if not same:
-                raise SystemExit(
-                    f"bench/strips.py: {name} at {rows}x{hidden}x{entries}: copies differ from the passes'"
-                )
-            ms = time_ms(lambda: strips_convert(k, p, tile_t, dtype), iters=iters)
-            out["convert"][name] = {"ms": ms, "GB/s": 8 * gb / ms * 1e3, "one_block": bt >= rows}
-            with Env(FP32PATCH_STRIPS="1"):
-                out["tile"][name] = {"ms": time_ms(lambda: tile_backward(p), iters=iters)}
-        del k.strip_shape  # the class's again
-        default = k.strip_shape(rows)
-        with Env(FP32PATCH_STRIPS="1"):
-            out["tile"]["strips (default)"] = {"ms": time_ms(lambda: tile_backward(p), iters=iters), "config": default}
+        for layout in ("computed", "kept"):
+            out[layout] = run_layout(k, p, layout == "kept", configs[layout], dict(convert), iters)
     finally:
-        k.__dict__.pop("strip_shape", None)
+        k.__dict__.pop("strip_shape", None)  # the class's again
     return out
+
+
+def run_layout(k, p: Problem, kept: bool, configs: list, convert: dict, iters: int) -> dict:
+    rows, entries = p.tile.shape
+    dtype, gb = p.x.dtype, rows * entries / 1e9
+    ref = passes_convert(k, p, dtype)
+    tile_t = p.tile.t() if kept else p.tile.t().contiguous()
+    tile: dict = {}
+    with Env(FP32PATCH_STRIPS="0"):
+        tile["passes"] = {"ms": time_ms(lambda: tile_backward(p, kept=kept), iters=iters)}
+    tile["bf16grad"] = {"ms": time_ms(lambda: tile_backward(p, "fp32out-bf16grad", kept), iters=iters)}
+    for bv, bt, warps in configs:
+        name = f"strips {bv},{bt},{warps}"
+        k.strip_shape = lambda n, tokens_contiguous=True, c=(bv, bt, warps): c
+        got = strips_convert(k, p, tile_t, dtype)
+        if not all(torch.equal(a, b) for a, b in zip(got, (ref[0], ref[1].t(), ref[2].t()), strict=True)):
+            raise SystemExit(
+                f"bench/strips.py: {name}, {'kept' if kept else 'computed'} {rows}x{entries}: not the passes' copies"
+            )
+        ms = time_ms(lambda: strips_convert(k, p, tile_t, dtype), iters=iters)
+        convert[name] = {"ms": ms, "GB/s": 8 * gb / ms * 1e3, "one_block": bt >= rows}
+        with Env(FP32PATCH_STRIPS="1"):
+            tile[name] = {"ms": time_ms(lambda: tile_backward(p, kept=kept), iters=iters)}
+    del k.strip_shape
+    with Env(FP32PATCH_STRIPS="1"):
+        ms = time_ms(lambda: tile_backward(p, kept=kept), iters=iters)
+    tile["strips (default)"] = {"ms": ms, "config": k.strip_shape(rows, tokens_contiguous=not kept)}
+    return {"convert": convert, "tile": tile}
 
 
 def report(results: dict) -> str:
     lines = []
     for r in results["shapes"]:
         rows, hidden, entries = r["shape"]
-        lines.append(f"\n{rows} tokens x {entries} entries, hidden {hidden}")
-        base_c, base_t = r["convert"]["passes"]["ms"], r["tile"]["passes"]["ms"]
-        lines.append(f"  {'way':<24} {'copies ms':>10} {'x passes':>9} {'GB/s':>7} {'tile ms':>9} {'x passes':>9}")
-        for name in r["tile"]:
-            c = r["convert"].get(name.replace(" (default)", ""), {})
-            t = r["tile"][name]["ms"]
-            cms = c.get("ms")
-            copies = "" if cms is None else f"{cms:.3f}"
-            ratio = "" if cms is None else f"{cms / base_c:.3f}"
-            lines.append(f"  {name:<24} {copies:>10} {ratio:>9} {c.get('GB/s', 0):>7.0f} {t:>9.3f} {t / base_t:>9.3f}")
+        for layout in ("computed", "kept"):
+            part = r[layout]
+            lines.append(f"\n{rows} tokens x {entries} entries, hidden {hidden}: the tile {layout}")
+            base_c, base_t = part["convert"]["passes"]["ms"], part["tile"]["passes"]["ms"]
+            lines.append(f"  {'way':<24} {'copies ms':>10} {'x passes':>9} {'GB/s':>7} {'tile ms':>9} {'x passes':>9}")
+            for name in part["tile"]:
+                c = part["convert"].get(name, {})
+                t = part["tile"][name]["ms"]
+                copies = "" if "ms" not in c else f"{c['ms']:.3f}"
+                ratio = "" if "ms" not in c else f"{c['ms'] / base_c:.3f}"
+                rate = "" if "GB/s" not in c else f"{c['GB/s']:.0f}"
+                lines.append(f"  {name:<24} {copies:>10} {ratio:>9} {rate:>7} {t:>9.3f} {t / base_t:>9.3f}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", help="ROWS,HIDDEN,ENTRIES (repeatable)")
-    ap.add_argument("--config", action="append", help="BV,BT,WARPS (repeatable)")
+    ap.add_argument("--config", action="append", help="BV,BT,WARPS for a computed tile (repeatable)")
+    ap.add_argument("--row-config", action="append", help="BV,BT,WARPS for a kept row-major tile (repeatable)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="a tiny shape, once (the CPU, under TRITON_INTERPRET=1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else SHAPES
-    configs = [tuple(int(v) for v in c.split(",")) for c in args.config] if args.config else CONFIGS
+
+    def parse(values):
+        return [tuple(int(v) for v in c.split(",")) for c in values]
+
+    shapes = parse(args.shape) if args.shape else SHAPES
+    configs = {
+        "computed": parse(args.config) if args.config else CONFIGS,
+        "kept": parse(args.row_config) if args.row_config else ROW_CONFIGS,
+    }
     iters = args.iters
     if args.smoke:
         global WARMUP
-        shapes, configs, iters, WARMUP = [(40, 32, 300)], [(8, 64, 4), (16, 16, 4)], 1, 0
+        shapes, iters, WARMUP = [(40, 32, 300)], 1, 0
+        configs = {"computed": [(8, 64, 4), (16, 16, 4)], "kept": [(64, 16, 4)]}
         fp32out.TRITON_DEVICE_TYPES = {"cuda", "cpu"}
     machine = {"python": platform.python_version(), "torch": torch.__version__}
     machine["gpu"] = torch.cuda.get_device_name(0) if _device() == "cuda" else "none (the Triton interpreter)"

@@ -209,11 +209,13 @@ def test_the_kernels_tanh_is_fp32_grade_on_the_gpu():
     assert err <= 8.0, f"{err:.1f} units in the last place off float64's tanh"
 
 
-@pytest.mark.parametrize("rows", [700, 6000])  # one block of tokens held (<= 4096), or two reads of each strip
+@pytest.mark.parametrize(
+    ("rows", "layout"), [(700, "computed"), (6000, "computed"), (700, "kept"), (6000, "kept")]
+)  # computed: one block of tokens held (<= 4096), or two reads of each strip; kept: row-major
 @pytest.mark.parametrize(("temperature", "softcap"), [(0.7, None), ("rows", 10.0)])
-def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, temperature, softcap):
-    # the transposed tile's strips (FP32PATCH_STRIPS=1) against the two passes, on the
-    # compiled kernels and a bf16 plain copy: the same scales and copies, transposed
+def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, layout, temperature, softcap):
+    # the strips (FP32PATCH_STRIPS=1) against the two passes, on the compiled kernels and a
+    # bf16 plain copy: the same scales and copies, laid out as the tile the strips read
     from fp32patch.runtime.kernels import chunked_logprobs as cl
 
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -237,32 +239,39 @@ def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, temperature, 
     g16 = torch.empty(tile.shape, dtype=torch.float16, device="cuda")
     plain = torch.empty(tile.shape, dtype=torch.bfloat16, device="cuda")
     kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain, softcap=softcap)
-    tile_t = tile.t().contiguous()
+    if layout == "kept":
+        tile_t = tile.t()
+        g16_t = torch.empty((rows, cols), dtype=torch.float16, device="cuda").t()
+        plain_t = torch.empty((rows, cols), dtype=torch.bfloat16, device="cuda").t()
+    else:
+        tile_t = tile.t().contiguous()
+        g16_t = torch.empty((cols, rows), dtype=torch.float16, device="cuda")
+        plain_t = torch.empty((cols, rows), dtype=torch.bfloat16, device="cuda")
+        assert (kernels.strip_shape(rows)[1] >= rows) == (rows <= cl._TritonKernels.STRIP_ONE_BLOCK)
     scale_t = torch.empty(cols, device="cuda")
-    g16_t = torch.empty((cols, rows), dtype=torch.float16, device="cuda")
-    plain_t = torch.empty((cols, rows), dtype=torch.bfloat16, device="cuda")
     kernels.grad_strips(tile_t, *args, scale=scale_t, out16=g16_t, plain=plain_t, softcap=softcap)
-    assert (kernels.strip_shape(rows)[1] >= rows) == (rows <= cl._TritonKernels.STRIP_ONE_BLOCK)
     assert torch.equal(scale_t, scale)
     assert torch.equal(g16_t, g16.t())
     assert torch.equal(plain_t, plain.t())
 
 
-@pytest.mark.parametrize("chunk_rows", [400, 4500])
-def test_a_call_through_the_strips_gives_the_two_passes_numbers(monkeypatch, chunk_rows):
+@pytest.mark.parametrize("tiles", [(400, 6000), (4500, 6000), "kept"])
+def test_a_call_through_the_strips_gives_the_two_passes_numbers(monkeypatch, tiles):
     from fp32patch.runtime.kernels import chunked_logprobs as cl
 
     x, w, targets, grad = _problem(5, t=5000, v=16384)
+    kw = (
+        dict(keep_logits=True)
+        if tiles == "kept"
+        else dict(keep_logits=False, chunk_rows=tiles[0], chunk_vocab=tiles[1])
+    )
     got = []
     for strips in ("0", "1"):
         monkeypatch.setenv(cl.STRIPS_ENV_VAR, strips)
         xl = x.clone().requires_grad_()
         wl = torch.nn.Parameter(w.clone())
         wl.main_grad = torch.zeros(wl.shape, device="cuda")
-        lp, ent = chunked_logprobs(
-            xl, wl, targets, temperature=0.7, entropy=True, keep_logits=False, fuse_wgrad=True,
-            chunk_rows=chunk_rows, chunk_vocab=6000,
-        )  # fmt: skip
+        lp, ent = chunked_logprobs(xl, wl, targets, temperature=0.7, entropy=True, fuse_wgrad=True, **kw)
         ((lp * grad).sum() + 0.1 * ent.sum()).backward()
         got.append((lp.detach(), ent.detach(), xl.grad, wl.main_grad))
     (lp1, ent1, dx1, dw1), (lp2, ent2, dx2, dw2) = got

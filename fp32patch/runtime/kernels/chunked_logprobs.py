@@ -86,7 +86,7 @@ if TYPE_CHECKING:
 
 # "0" keeps the forward's tiles where the fused GEMM + logsumexp kernel would run (gemm_lse_triton)
 GEMM_LSE_ENV_VAR = "FP32PATCH_GEMM_LSE"
-# "1": fp32out's recomputed backward tiles through the strip kernel (``strips``)
+# "1": fp32out's backward tiles through the strip kernel (``strips``)
 STRIPS_ENV_VAR = "FP32PATCH_STRIPS"
 
 # Tile sizes measured on an H200 (bench/fused_logprobs.py, bench/RESULTS.md): tokens and
@@ -582,17 +582,18 @@ class _TritonKernels:
 
         @triton.jit
         def strip_kernel(
-            tile, stride, n_vocab, n_tokens, targets, col0, temperature, temps, cap, log_z, entropy, grad_logp,
-            grad_entropy, scale, out16, plain, out_stride,
+            tile, s_v, s_t, n_vocab, n_tokens, targets, col0, temperature, temps, cap, log_z, entropy, grad_logp,
+            grad_entropy, scale, out16, plain, o_v, o_t,
             SCALED: tl.constexpr, ROW_TEMPS: tl.constexpr, CAPPED: tl.constexpr, LOGP_GRAD: tl.constexpr,
             ENTROPY_GRAD: tl.constexpr, PLAIN: tl.constexpr, PHASES: tl.constexpr, BV: tl.constexpr,
             BT: tl.constexpr,
         ):  # fmt: skip
-            # The tile transposed, [vocabulary entries, tokens]: a program owns BV entries' whole
+            # The tile as [vocabulary entries, tokens] (strides s_v, s_t: a tile computed
+            # transposed, or a kept one's transposed view): a program owns BV entries' whole
             # strips. It takes their gradient's largest magnitudes (PHASES 2: one pass over the
             # strips; 1: a tile of at most BT tokens, one block, kept), their scales into scale,
-            # then writes fp16(g * scale) into out16 and g in plain's dtype into plain, laid out
-            # as the tile: no atomics, and a strip's second read is its own, soon after its first.
+            # then writes fp16(g * scale) into out16 and g in plain's dtype into plain (strides
+            # o_v, o_t): no atomics, and a strip's second read is its own, soon after its first.
             rv = tl.program_id(0) * BV + tl.arange(0, BV)
             v_ok = rv < n_vocab
             rv64 = rv.to(tl.int64)
@@ -602,7 +603,9 @@ class _TritonKernels:
                     rt = t0 + tl.arange(0, BT)
                     t_ok = rt < n_tokens
                     mask = v_ok[:, None] & t_ok[None, :]
-                    z = tl.load(tile + rv64[:, None] * stride + rt[None, :], mask=mask, other=0.0).to(tl.float32)
+                    rt64 = rt.to(tl.int64)
+                    z = tl.load(tile + rv64[:, None] * s_v + rt64[None, :] * s_t, mask=mask, other=0.0)
+                    z = z.to(tl.float32)
                     row_t = 1.0
                     if ROW_TEMPS:
                         row_t = tl.load(temps + rt, mask=t_ok, other=1.0)[None, :]
@@ -615,7 +618,7 @@ class _TritonKernels:
                         amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
                     if phase == PHASES - 1:
                         c = triton_logits.pow2_scale(amax)
-                        out = rv64[:, None] * out_stride + rt[None, :]
+                        out = rv64[:, None] * o_v + rt64[None, :] * o_t
                         tl.store(out16 + out, (g * c[:, None]).to(tl.float16), mask=mask)
                         if PLAIN:
                             tl.store(plain + out, g.to(plain.dtype.element_ty), mask=mask)
@@ -672,38 +675,44 @@ class _TritonKernels:
         self, tile_t, targets, col0, temperature, log_z, entropy, grad_logp, grad_entropy, scale, out16,
         plain=None, softcap=None,
     ) -> None:  # fmt: skip
-        """For a transposed tile ``tile_t`` [vocabulary entries, tokens]: its gradient's
-        power-of-two scales per entry into ``scale`` [entries], ``fp16(g * scale)`` into
-        ``out16`` and ``g`` into ``plain`` (None: not written), both laid out as ``tile_t``;
-        the bits ``grad`` gives for the same tile, untransposed, in its two passes."""
+        """For a tile seen as [vocabulary entries, tokens] (``tile_t``: computed transposed, or
+        a kept tile's ``.t()``): its gradient's power-of-two scales per entry into ``scale``
+        [entries], ``fp16(g * scale)`` into ``out16`` and ``g`` into ``plain`` (None: not
+        written), both shaped as ``tile_t`` with one layout; the bits ``grad`` gives for the
+        same tile in its two passes."""
         n_vocab, n_tokens = tile_t.shape
         if not n_vocab or not n_tokens:
             scale.fill_(1.0)
             return
-        assert tile_t.stride(1) == 1 and out16.stride(1) == 1
-        assert plain is None or plain.stride() == out16.stride()
+        assert out16.shape == tile_t.shape and (plain is None or plain.stride() == out16.stride())
         dummy = log_z
         scalar, temps, per_row = kernel_temperature(temperature, dummy)
-        bv, bt, warps = self.strip_shape(n_tokens)
+        bv, bt, warps = self.strip_shape(n_tokens, tokens_contiguous=tile_t.stride(1) == 1)
         self._strips[(self._cdiv(n_vocab, bv),)](
-            tile_t, tile_t.stride(0), n_vocab, n_tokens, targets, col0, scalar, temps,
+            tile_t, tile_t.stride(0), tile_t.stride(1), n_vocab, n_tokens, targets, col0, scalar, temps,
             1.0 if softcap is None else softcap, log_z,
             dummy if entropy is None else entropy,
             dummy if grad_logp is None else grad_logp,
             dummy if grad_entropy is None else grad_entropy,
-            scale, out16, out16 if plain is None else plain, out16.stride(0),
+            scale, out16, out16 if plain is None else plain, out16.stride(0), out16.stride(1),
             SCALED=scalar != 1.0, ROW_TEMPS=per_row, CAPPED=softcap is not None,
             LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None, PLAIN=plain is not None,
             PHASES=1 if n_tokens <= bt else 2, BV=bv, BT=bt, num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
 
-    # Strips: entries a program owns; tokens a block; a tile of at most STRIP_ONE_BLOCK tokens in
-    # one block, held while it is written (not measured on a GPU yet: bench/strips.py sweeps them)
+    # Strips (not measured on a GPU yet: bench/strips.py sweeps them). A tile computed
+    # transposed (tokens contiguous): STRIP_BV entries a program in blocks of STRIP_BT tokens,
+    # and a tile of at most STRIP_ONE_BLOCK tokens in one block, held while it is written. A kept
+    # row-major tile (entries contiguous): STRIP_ROW_BV entries a program (a row's segment of
+    # them contiguous) in blocks of STRIP_ROW_BT tokens, each strip read twice.
     STRIP_BV, STRIP_BT, STRIP_WARPS = 4, 1024, 8
     STRIP_ONE_BLOCK = 4096
+    STRIP_ROW_BV, STRIP_ROW_BT, STRIP_ROW_WARPS = 32, 128, 8
 
-    def strip_shape(self, n_tokens: int) -> tuple[int, int, int]:
+    def strip_shape(self, n_tokens: int, tokens_contiguous: bool = True) -> tuple[int, int, int]:
         """(entries a program, tokens a block, warps) for a tile of ``n_tokens`` tokens."""
+        if not tokens_contiguous:
+            return self.STRIP_ROW_BV, self.STRIP_ROW_BT, self.STRIP_ROW_WARPS
         if n_tokens <= self.STRIP_ONE_BLOCK:
             bt = max(16, 1 << (n_tokens - 1).bit_length())
             return max(1, self.STRIP_BV * self.STRIP_BT // bt), bt, self.STRIP_WARPS
@@ -880,9 +889,9 @@ def _tile_backward(
 
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
     kernels = _triton(block)
-    if kernels is not None and plan.mode == "fp32out" and want_dw and kept is None and strips():
+    if kernels is not None and plan.mode == "fp32out" and want_dw and strips():
         if block.dtype in (torch.bfloat16, torch.float16):
-            return _strip_backward(plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled)
+            return _strip_backward(plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled, kept)
     tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
     if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
         if kept is not None:  # the torch steps write the gradient over the tile
@@ -921,25 +930,30 @@ def _tile_backward(
 
 
 def strips() -> bool:
-    """Whether fp32out's recomputed tiles take the strip kernel (``FP32PATCH_STRIPS=1``): off
+    """Whether fp32out's backward tiles take the strip kernel (``FP32PATCH_STRIPS=1``): off
     until measured on a GPU against the two passes (bench/strips.py)."""
     return os.environ.get(STRIPS_ENV_VAR, "0") == "1"
 
 
-def _strip_backward(plan: _Plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled):
-    """``_tile_backward`` for a recomputed tile in fp32out, through the strip kernel: the tile
-    computed transposed ([block, rows], ``block @ xr.T``), so that each vocabulary entry's
-    gradient is one contiguous strip whose largest magnitude, scale and 16-bit copies one
-    program writes: one launch where the two passes take three (the maxima, the scales, the
-    copies), and each strip read twice by the program that owns it rather than by two passes
-    over the whole tile. The copies come out transposed, as the weight gradient's GEMM takes
-    its operand (the input gradient's takes a transposed view); the same bits as the passes."""
+def _strip_backward(plan: _Plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled, kept=None):
+    """``_tile_backward`` in fp32out through the strip kernel, which gives each program whole
+    vocabulary entries: their largest gradient, scale and 16-bit copies from one launch, where
+    the two passes take three (the maxima, the scales, the copies), and each entry's strip read
+    twice by the program that owns it rather than by two passes over the whole tile; the same
+    bits as the passes. A recomputed tile is computed transposed ([block, rows], ``block @
+    xr.T``: each entry's strip contiguous), its copies laid out so, as the weight gradient's GEMM
+    takes its operand (the input gradient's takes a transposed view); a kept tile ([rows,
+    block], read not written) is read through its transposed view, its copies laid out as it."""
     import torch
 
-    tile_t = _fwd_mm(plan.mode, block, xr)
+    tile_t = _fwd_mm(plan.mode, block, xr) if kept is None else kept.t()
     scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
-    g16 = torch.empty(tile_t.shape, dtype=torch.float16, device=tile_t.device)
-    plain = None if dx_rows is None else torch.empty(tile_t.shape, dtype=block.dtype, device=tile_t.device)
+    # the copies laid out as the tile is: [block, rows] contiguous, or a [rows, block] one's view
+    shape = tile_t.shape if kept is None else kept.shape
+    g16 = torch.empty(shape, dtype=torch.float16, device=block.device)
+    plain = None if dx_rows is None else torch.empty(shape, dtype=block.dtype, device=block.device)
+    if kept is not None:
+        g16, plain = g16.t(), None if plain is None else plain.t()
     kernels.grad_strips(tile_t, *args, scale=scale, out16=g16, plain=plain, softcap=plan.softcap)
     del tile_t
     if plain is not None:

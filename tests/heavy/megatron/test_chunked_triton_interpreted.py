@@ -250,13 +250,14 @@ def test_grad_kernel_with_per_row_temperatures_and_a_cap(calls, monkeypatch):
 
 
 @only_interpreted
-@pytest.mark.parametrize("one_block", [True, False])
+@pytest.mark.parametrize("layout", ["one block", "blocks", "kept"])
 @pytest.mark.parametrize(("temperature", "softcap"), [(0.8, None), ("rows", 20.0)])
 @pytest.mark.parametrize(("grads", "plain"), [("both", True), ("logp", False), ("entropy", True)])
-def test_strip_kernel_gives_the_two_passes_bits(calls, monkeypatch, one_block, temperature, softcap, grads, plain):
-    # the transposed tile's strips against the two passes over the tile: the same scales and
-    # the same 16-bit copies, transposed, bit for bit; in one held block of tokens, or in
-    # blocks of 32 tokens read twice (70 tokens: ragged)
+def test_strip_kernel_gives_the_two_passes_bits(calls, monkeypatch, layout, temperature, softcap, grads, plain):
+    # the strips against the two passes over the tile: the same scales and the same 16-bit
+    # copies, bit for bit. A tile computed transposed (contiguous strips) in one held block of
+    # tokens, or in blocks of 32 tokens read twice (70 tokens: ragged); a kept row-major tile
+    # read through its transposed view, its copies laid out as it is
     gen = torch.Generator().manual_seed(9)
     rows, col0 = 70, 100
     tile = torch.randn(rows, V, generator=gen) * 4
@@ -283,19 +284,26 @@ def test_strip_kernel_gives_the_two_passes_bits(calls, monkeypatch, one_block, t
     kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=pl, softcap=softcap)
     assert calls["grad"] == 2
 
-    if not one_block:
+    if layout == "blocks":
         monkeypatch.setattr(cl._TritonKernels, "STRIP_ONE_BLOCK", 16)
         monkeypatch.setattr(cl._TritonKernels, "STRIP_BT", 32)
         monkeypatch.setattr(cl._TritonKernels, "STRIP_BV", 32)  # (fewer programs: the interpreter's time)
-    bv, bt, _ = kernels.strip_shape(rows)
-    assert (bt >= rows) == one_block and (bv, bt) == (32, 128 if one_block else 32)
-    tile_t = tile.t().contiguous()
+    monkeypatch.setattr(cl._TritonKernels, "STRIP_ROW_BT", 32)
+    bv, bt, _ = kernels.strip_shape(rows, tokens_contiguous=layout != "kept")
+    assert (bt >= rows) == (layout == "one block") and (bv, bt) == (32, 128 if layout == "one block" else 32)
+    if layout == "kept":
+        tile_t = tile.t()  # a view: entries contiguous
+        g16_t = torch.empty((rows, V), dtype=torch.float16).t()
+        pl_t = torch.empty((rows, V), dtype=torch.float16).t() if plain else None
+    else:
+        tile_t = tile.t().contiguous()
+        g16_t = torch.empty((V, rows), dtype=torch.float16)
+        pl_t = torch.empty((V, rows), dtype=torch.float16) if plain else None
+    before = tile.clone()
     scale_t = torch.full((V,), float("nan"))
-    g16_t = torch.empty((V, rows), dtype=torch.float16)
-    pl_t = torch.empty((V, rows), dtype=torch.float16) if plain else None
     kernels.grad_strips(tile_t, *args, scale=scale_t, out16=g16_t, plain=pl_t, softcap=softcap)
     assert calls["strips"] == 1
-    assert torch.equal(tile_t, tile.t())  # read, not written
+    assert torch.equal(tile_t, before.t())  # read, not written
     assert torch.equal(scale_t.view(torch.int32), scale.view(torch.int32))
     assert torch.equal(g16_t, g16.t())
     if plain:
@@ -308,17 +316,19 @@ def test_strip_kernel_gives_the_two_passes_bits(calls, monkeypatch, one_block, t
 
 @only_interpreted
 @pytest.mark.parametrize("main_grad", [False, True])
-@pytest.mark.parametrize("temperature", [0.7, "rows"])
-def test_whole_call_through_the_strips_gives_the_two_passes_numbers(calls, monkeypatch, main_grad, temperature):
+@pytest.mark.parametrize(("tiles", "temperature"), [("recomputed", 0.7), ("recomputed", "rows"), ("kept", 0.7)])
+def test_whole_call_through_the_strips_gives_the_two_passes_numbers(calls, monkeypatch, main_grad, tiles, temperature):
     x, w, targets, grad = _problem(10)
     temps = _temperature(temperature, T, torch.Generator().manual_seed(11))
-    kw = dict(mode="fp32out", temperature=temps, keep_logits=False, chunk_rows=40, chunk_vocab=256)
+    kw = dict(mode="fp32out", temperature=temps)
+    kw.update(keep_logits=True) if tiles == "kept" else kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)
+    n = 1 if tiles == "kept" else 9  # tiles a backward
     passes = _step(x, w, targets, grad, main_grad=main_grad, **kw)
     steps = 2 if main_grad else 1
-    assert (calls["grad"], calls["strips"]) == (steps * 2 * 9, 0)
+    assert (calls["grad"], calls["strips"]) == (steps * 2 * n, 0)
     monkeypatch.setenv(cl.STRIPS_ENV_VAR, "1")
     strip = _step(x, w, targets, grad, main_grad=main_grad, **kw)
-    assert (calls["grad"], calls["strips"]) == (steps * 2 * 9, steps * 9)  # every tile, and nothing else
+    assert (calls["grad"], calls["strips"]) == (steps * 2 * n, steps * n)  # every tile, and nothing else
     names = ("log-probs", "entropy", "input gradient", "weight gradient")
     for name, a, b in zip(names, strip, passes, strict=True):
         if name in names[:2]:
@@ -335,12 +345,13 @@ def test_whole_call_through_the_strips_gives_the_two_passes_numbers(calls, monke
 
 
 @only_interpreted
-@pytest.mark.parametrize("tiles", ["kept", "bf16grad", "no weight gradient"])
-def test_the_strips_take_only_recomputed_fp32out_tiles_with_a_weight_gradient(calls, monkeypatch, tiles):
+@pytest.mark.parametrize("tiles", ["bf16grad", "no weight gradient"])
+def test_the_strips_take_only_fp32out_tiles_with_a_weight_gradient(calls, monkeypatch, tiles):
+    # (fp32out-bf16grad's one pass has no maxima to take; without a weight gradient no scales)
     x, w, targets, grad = _problem(12)
     monkeypatch.setenv(cl.STRIPS_ENV_VAR, "1")
     kw = dict(mode="fp32out-bf16grad" if tiles == "bf16grad" else "fp32out", temperature=0.7)
-    kw.update(keep_logits=True) if tiles == "kept" else kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)
+    kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)
     xl = x.clone().requires_grad_()
     wl = torch.nn.Parameter(w.clone(), requires_grad=tiles != "no weight gradient")
     cl.chunked_logprobs(xl, wl, targets, **kw).mul(grad).sum().backward()
@@ -523,7 +534,9 @@ def test_the_strips_benchmark_runs_and_checks_its_copies(calls):
     results = strips.main(["--smoke"])
     (shape,) = results["shapes"]
     assert shape["shape"] == [40, 32, 300]
-    assert set(shape["tile"]) == {"passes", "bf16grad", "strips 8,64,4", "strips 16,16,4", "strips (default)"}
-    assert shape["convert"]["strips 8,64,4"]["one_block"] and not shape["convert"]["strips 16,16,4"]["one_block"]
-    assert all(r["ms"] > 0 for r in shape["tile"].values())
-    assert calls["strips"] >= 3 and calls["grad"] >= 4
+    computed, kept = shape["computed"], shape["kept"]
+    assert set(computed["tile"]) == {"passes", "bf16grad", "strips 8,64,4", "strips 16,16,4", "strips (default)"}
+    assert set(kept["tile"]) == {"passes", "bf16grad", "strips 64,16,4", "strips (default)"}
+    assert computed["convert"]["strips 8,64,4"]["one_block"] and not computed["convert"]["strips 16,16,4"]["one_block"]
+    assert all(r["ms"] > 0 for part in (computed, kept) for r in part["tile"].values())
+    assert calls["strips"] >= 6 and calls["grad"] >= 8
