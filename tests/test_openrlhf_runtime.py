@@ -324,11 +324,14 @@ def _batch():
     return sequences, attention_mask, action_mask
 
 
-def _reference(model, sequences, entropy_temperature):
-    """float64 log-probs of the next tokens and entropies from the model's own bf16 operands."""
+def _reference(model, sequences, entropy_temperature, softcap=None):
+    """float64 log-probs of the next tokens and entropies from the model's own bf16 operands (its
+    logits capped at ``softcap`` first, where given)."""
     hidden = model.hidden(sequences).detach().double()
     weight = model.lm_head.weight.detach().double().requires_grad_(True)
     logits = hidden @ weight.T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     rolled = torch.roll(sequences, -1, 1)
     log_probs = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)[:, :-1]
     scaled = logits.detach() / entropy_temperature
@@ -450,6 +453,53 @@ def test_a_caller_that_wants_the_logits_gets_them_in_fp32(releases, version):
     assert (logits.double() - expected).abs().max().item() < 1e-5
 
 
+def _capped_model(cap: float, applies: float | None = None):
+    """TinyCausalLM whose config says ``final_logit_softcapping=cap`` and whose forward caps its
+    logits as transformers' Gemma 2 does (at ``applies``, the config's cap unless given)."""
+    from tests.support.openrlhf_actor import TinyCausalLM
+
+    class Capped(TinyCausalLM):
+        def forward(self, input_ids, **kwargs):
+            output = super().forward(input_ids, **kwargs)
+            at = cap if applies is None else applies
+            output["logits"] = torch.tanh(output["logits"] / at) * at
+            return output
+
+    model = Capped()
+    model.config = types.SimpleNamespace(final_logit_softcapping=cap)
+    return model
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("version", ACTOR_RELEASES)
+def test_a_model_that_caps_its_logits_gets_the_capped_log_probs_in_fp32(releases, version, packing):
+    # Gemma 2's final_logit_softcapping: the chunked piece caps the fp32 logits, as vLLM does
+    from tests.support.openrlhf_actor import make_actor
+
+    cap = 6.0  # the tiny model's logits reach ~10: the cap bites
+    stock_cls, patched_cls = releases[version]
+    sequences, attention_mask, action_mask = _batch()
+    stock = make_actor(stock_cls, _capped_model(cap), temperature=TEMPERATURE, packing=packing)
+    actor = make_actor(patched_cls, _capped_model(cap), temperature=TEMPERATURE, packing=packing)
+    wire_actor(actor, Namespace(fp32_lm_head="fp32out"), role="actor")
+    lp_stock, out_stock = _run(stock, sequences, attention_mask, action_mask)
+    log_probs, output = _run(actor, sequences, attention_mask, action_mask)
+    ref_lp, ref_entropy, weight64 = _reference(actor.model, sequences, _entropy_temperature(version), softcap=cap)
+    uncapped, _, _ = _reference(actor.model, sequences, _entropy_temperature(version))
+    actions, valid = action_mask.bool(), attention_mask[:, :-1].bool()
+    assert (ref_lp - uncapped)[:, -5:][actions].abs().max() > 0.1  # the cap changes the log-probs
+    ours = (log_probs.double() - ref_lp[:, -5:] * action_mask)[actions].abs().max().item()
+    stocks = (lp_stock.double() - ref_lp[:, -5:] * action_mask)[actions].abs().max().item()
+    assert ours < 2e-6 < 1e-4 < stocks, (ours, stocks)
+    assert (output.entropy.double() - ref_entropy)[valid].abs().max().item() < 2e-6
+    (log_probs * action_mask).sum().backward()
+    (ref_lp[:, -5:] * action_mask).sum().backward()
+    grad = actor.model.lm_head.weight.grad
+    assert grad.dtype == torch.bfloat16 and torch.isfinite(grad.float()).all()
+    assert ((grad.double() - weight64.grad).norm() / weight64.grad.norm()).item() < 1e-2
+
+
 @pytest.mark.network
 def test_what_the_chunked_path_cannot_compute_is_refused(releases):
     from tests.support.openrlhf_actor import TinyCausalLM, make_actor
@@ -465,13 +515,18 @@ def test_what_the_chunked_path_cannot_compute_is_refused(releases):
         )
 
     capped = TinyCausalLM()
-    capped.config = types.SimpleNamespace(final_logit_softcapping=30.0)
-    with pytest.raises(UnsupportedLmHeadError, match="final_logit_softcapping=30.0"):
+    capped.config = types.SimpleNamespace(final_logit_softcapping=-30.0)
+    with pytest.raises(UnsupportedLmHeadError, match="final_logit_softcapping=-30.0, which is not a positive"):
         wire_actor(
             make_actor(actor_cls, capped, temperature=1.0, packing=False),
             Namespace(fp32_lm_head="fp32out"),
             role="actor",
         )
+    # a model that caps at another value than its config says: its log-probs would not be the cap's
+    actor = make_actor(actor_cls, _capped_model(30.0, applies=20.0), temperature=1.0, packing=False)
+    wire_actor(actor, Namespace(fp32_lm_head="fp32out"), role="actor")
+    with pytest.raises(UnsupportedLmHeadError, match="other than its final_logit_softcapping=30.0"):
+        _run(actor, sequences, attention_mask, action_mask)
 
     class Scaled(TinyCausalLM):
         def forward(self, input_ids, **kwargs):

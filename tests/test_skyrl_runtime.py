@@ -214,3 +214,52 @@ def test_the_fused_path_keeps_its_logits_only_for_a_call_within_skyrls_own_chunk
         assert all(torch.equal(outs[0], out) for out in outs[1:])
     finally:
         forget_all()
+
+
+@pytest.mark.parametrize("cap", [None, 6.0])
+def test_the_wrappers_chunked_call_gives_the_capped_log_probs_of_a_capping_model(cap):
+    """HFModelWrapper's path (``fused.model_call``) on a model that soft-caps its final logits as
+    Gemma 2 does (and one that does not): the held log-probs and entropy are float64's of the
+    capped logits, the gradient reaches the head; a model that caps at another value than its
+    config names is refused."""
+    import torch
+
+    from fp32patch.runtime.heads.hf import UnsupportedLmHeadError, apply_fp32_lm_head
+    from fp32patch.runtime.skyrl import fused
+    from tests.support.openrlhf_actor import TinyCausalLM
+
+    class Capped(TinyCausalLM):
+        applies = cap
+
+        def forward(self, input_ids, **kwargs):
+            output = super().forward(input_ids, **kwargs)
+            if self.applies is not None:
+                output["logits"] = torch.tanh(output["logits"] / self.applies) * self.applies
+            return output
+
+    model = Capped()
+    model.config = SimpleNamespace(final_logit_softcapping=cap)
+    apply_fp32_lm_head(model, "fp32out")
+    wrapper = SimpleNamespace(model=model)
+    fused.mark(wrapper, model, "fp32out", role="policy")
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    targets = torch.roll(ids, -1, 1)
+    output = fused.model_call(wrapper, targets, 0.7, True, True)(ids)
+    held = output["logits"].div_(0.7)
+    log_probs, entropy = held.log_probs(targets), held.entropy(requires_grad=True)
+
+    hidden = model.hidden(ids).detach().double()
+    z = hidden @ model.lm_head.weight.detach().double().t()
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+        assert (z - hidden @ model.lm_head.weight.detach().double().t()).abs().max() > 0.3  # the cap bites
+    log_p = torch.log_softmax(z / 0.7, -1)
+    assert (log_probs.double() - log_p.gather(-1, targets[..., None])[..., 0]).abs().max() < 2e-6
+    assert (entropy.double() + (log_p.exp() * log_p).sum(-1)).abs().max() < 2e-6
+    (log_probs.sum() + entropy.sum()).backward()
+    assert model.lm_head.weight.grad is not None and torch.isfinite(model.lm_head.weight.grad.float()).all()
+
+    model.applies = None if cap is None else cap / 2  # caps otherwise than its config says
+    if cap is not None:
+        with pytest.raises(UnsupportedLmHeadError, match=f"other than its final_logit_softcapping={cap}"):
+            fused.model_call(wrapper, targets, 0.7, True, False)(ids)

@@ -129,6 +129,62 @@ def instead_of_logits(head: Any, compute: Callable[[Any, Any], Any]) -> Iterator
         _INSTEAD_OF_LOGITS.reset(token)
 
 
+def call_computing_log_probs(
+    model: Any, head: Any, compute: Callable[[Any, Any], Any], args: tuple, kwargs: dict, *, turn_off: str
+) -> tuple[Any, Any]:
+    """``model(*args, **kwargs)`` with ``head``'s call returning ``compute(hidden, weight)``
+    (``instead_of_logits``): returns the model's output and what ``compute`` returned, which the
+    model must hand back as its logits. Either the same tensor (DeepSpeed's hooks may wrap it in
+    a new one over the same storage), or, for a model that soft-caps its final logits
+    (``final_softcap``), that cap applied to it as transformers' capping models apply it, ``x /
+    cap``, ``tanh``, ``* cap``: replayed here and compared bit for bit (``compute`` took the cap
+    into its log-probs, on the fp32 logits, as vLLM's logits processor applies it). Anything else
+    (a scale, another cap, a head never called) is refused, naming the model and ``turn_off``."""
+    import torch
+
+    computed: list[Any] = []
+
+    def recording(hidden: Any, weight: Any) -> Any:
+        computed.append(compute(hidden, weight))
+        return computed[-1]
+
+    with instead_of_logits(head, recording):
+        output = model(*args, **kwargs)
+    name = type(model).__name__
+    if not computed:
+        raise UnsupportedLmHeadError(
+            f"fp32 LM head: {name} computed its logits without calling its LM head (a fused loss kernel, Liger?), "
+            f"so fp32patch could not compute the log-probs; {turn_off}"
+        )
+    result, returned = computed[-1], output["logits"]
+    if _same_storage(returned, result):
+        return output, result
+    cap = final_softcap(model)
+    if cap is not None and isinstance(returned, torch.Tensor) and returned.shape == result.shape:
+        with torch.no_grad():
+            if torch.equal(returned, torch.tanh(result / cap) * cap):
+                return output, result
+    capped = f"a soft-cap other than its final_logit_softcapping={cap}" if cap is not None else "a soft-cap"
+    raise UnsupportedLmHeadError(
+        f"fp32 LM head: {name} changes its logits after the head (a scale, {capped}), which fp32patch's chunked "
+        f"log-probs do not do; {turn_off} for this model"
+    )
+
+
+def _same_storage(returned: Any, computed: Any) -> bool:
+    try:
+        return returned.shape == computed.shape and returned.data_ptr() == computed.data_ptr()
+    except AttributeError:
+        return False
+
+
+def final_softcap(model: Any) -> float | None:
+    """The soft-cap ``model`` applies to its final logits (its text config's
+    ``final_logit_softcapping``: Gemma 2's 30.0), or None."""
+    cap = _config_softcap(model)
+    return None if cap is None else float(cap)
+
+
 def apply_fp32_lm_head(model: Any, mode: Any) -> Any:
     """Make the LM head of ``model`` give fp32 logits in ``mode``; returns ``model``.
 
@@ -298,28 +354,38 @@ def _find_head(model: Any) -> tuple[Any, str]:
     )
 
 
-def chunkable_head(model: Any, *, role: str, turn_off: str, capped_ok: bool = False) -> tuple[Any, str]:
+def chunkable_head(model: Any, *, role: str, turn_off: str) -> tuple[Any, str]:
     """``model``'s LM head and how it was reached, for a stack that computes the head's log-probs
     with ``kernels.chunked_logprobs`` (from hidden states and the weight alone): a head with a
-    bias, or a model that soft-caps its final logits, is refused (``UnsupportedLmHeadError``,
-    naming ``role`` and saying to ``turn_off`` the switch). ``capped_ok``: the stack hands the
-    model's cap to the chunked piece itself (TRL's chunked log-probs), and a capped model is not
-    refused."""
+    bias, or a final soft-cap that is not a positive number, is refused
+    (``UnsupportedLmHeadError``, naming ``role`` and saying to ``turn_off`` the switch). A model
+    that soft-caps its final logits is taken: the stack hands the cap (``final_softcap``) to the
+    chunked piece, which caps the fp32 logits."""
+    import math
+
     head, where = _find_head(model)
     if getattr(head, "bias", None) is not None:
         raise UnsupportedLmHeadError(
             f"fp32 LM head: the {role}'s {where} has a bias, which fp32patch's chunked log-probs do not add; "
             f"{turn_off} for this model"
         )
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None)
-    if softcap is not None and not capped_ok:
+    try:
+        softcap = final_softcap(model)
+    except (TypeError, ValueError):
+        softcap = math.nan
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise UnsupportedLmHeadError(
-            f"fp32 LM head: the {role}'s model caps its logits (final_logit_softcapping={softcap}), which "
-            f"fp32patch's chunked log-probs do not do; {turn_off} for this model"
+            f"fp32 LM head: the {role}'s model caps its logits at final_logit_softcapping="
+            f"{_config_softcap(model)!r}, which is not a positive number fp32patch's chunked log-probs can cap at; "
+            f"{turn_off} for this model"
         )
     return head, where
+
+
+def _config_softcap(model: Any) -> Any:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "final_logit_softcapping", None)
 
 
 def _children(module: Any) -> list[tuple[str, Any]]:

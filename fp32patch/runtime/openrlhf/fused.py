@@ -47,7 +47,8 @@ def marked_mode(actor: Any) -> str | None:
 def mark(actor: Any, model: Any, mode: str, *, role: str) -> Any:
     """Route ``actor``'s log-probs through fp32patch's chunked piece in ``mode``; ``model`` is the
     HF model (or PEFT's wrapper) whose head ``heads.hf`` converted. Refuses a head the chunked
-    piece cannot compute (a bias, a final soft-cap). Returns ``actor``."""
+    piece cannot compute (a bias); a model's final soft-cap is computed on the fp32 logits.
+    Returns ``actor``."""
     from fp32patch.runtime.heads.hf import chunkable_head
 
     head, _ = chunkable_head(model, role=role, turn_off="drop --fp32_lm_head")
@@ -74,34 +75,26 @@ class ChunkedCall:
     logits."""
 
     def __init__(self, actor: Any, head: Any, targets: Any, *, entropy: bool, entropy_after_temperature: bool) -> None:
+        from fp32patch.runtime.heads.hf import final_softcap
+
         self.actor, self.head, self.targets = actor, head, targets
         self.mode = marked_mode(actor)
         self.temperature = float(getattr(actor, "temperature", 1.0))
         self.entropy_temperature = (self.temperature if entropy_after_temperature else 1.0) if entropy else None
-        self.result: Any = None
+        self.softcap = final_softcap(actor.model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from fp32patch.runtime.heads.hf import instead_of_logits
+        from fp32patch.runtime.heads.hf import call_computing_log_probs
 
-        self.result = None
-        with instead_of_logits(self.head, self.compute):
-            output = self.actor.model(*args, **kwargs)
-        if self.result is None:
-            raise UnsupportedLmHeadError(
-                f"fp32 LM head: {type(self.actor.model).__name__} computed its logits without calling its LM head "
-                "(a fused loss kernel?), so fp32patch could not compute the log-probs; drop --fp32_lm_head"
-            )
-        returned = output["logits"]
-        if not _same_storage(returned, self.result):
-            raise UnsupportedLmHeadError(
-                f"fp32 LM head: {type(self.actor.model).__name__} changes its logits after the head (a scale, a "
-                "soft-cap), which fp32patch's chunked log-probs do not do; drop --fp32_lm_head for this model"
-            )
-        output["logits"] = Fp32LogProbs(returned, self.targets, self.temperature, self.entropy_temperature)
+        output, packed = call_computing_log_probs(
+            self.actor.model, self.head, self.compute, args, kwargs, turn_off="drop --fp32_lm_head"
+        )
+        output["logits"] = Fp32LogProbs(packed, self.targets, self.temperature, self.entropy_temperature)
         return output
 
     def compute(self, hidden: Any, weight: Any) -> Any:
-        """In the head's call: [..., 1] log-probs, or [..., 2] log-probs and entropy, fp32."""
+        """In the head's call: [..., 1] log-probs, or [..., 2] log-probs and entropy, fp32 (of the
+        capped logits where the model caps them)."""
         import torch
 
         from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
@@ -112,27 +105,19 @@ class ChunkedCall:
                 f"{tuple(self.targets.shape)}; fp32patch's chunked log-probs need one target per position"
             )
         targets = self.targets.to(hidden.device)
-        if self.entropy_temperature is None:
-            columns = [chunked_logprobs(hidden, weight, targets, mode=self.mode, temperature=self.temperature)]
-        elif self.entropy_temperature == self.temperature:
-            columns = list(
-                chunked_logprobs(hidden, weight, targets, mode=self.mode, temperature=self.temperature, entropy=True)
+
+        def call(temperature: float, entropy: bool = False) -> Any:
+            return chunked_logprobs(
+                hidden, weight, targets, mode=self.mode, temperature=temperature, entropy=entropy, softcap=self.softcap
             )
+
+        if self.entropy_temperature is None:
+            columns = [call(self.temperature)]
+        elif self.entropy_temperature == self.temperature:
+            columns = list(call(self.temperature, entropy=True))
         else:  # up to 0.11.0 the entropy is that of the logits before the temperature divides them
-            log_probs = chunked_logprobs(hidden, weight, targets, mode=self.mode, temperature=self.temperature)
-            _, ent = chunked_logprobs(hidden, weight, targets, mode=self.mode, temperature=1.0, entropy=True)
-            columns = [log_probs, ent]
-        self.result = torch.stack(columns, dim=-1)
-        return self.result
-
-
-def _same_storage(returned: Any, computed: Any) -> bool:
-    """Whether the model handed back what the head returned (DeepSpeed's hooks may wrap it in a
-    new tensor over the same storage); a scale or a soft-cap makes a new one."""
-    try:
-        return returned.shape == computed.shape and returned.data_ptr() == computed.data_ptr()
-    except AttributeError:
-        return False
+            columns = [call(self.temperature), call(1.0, entropy=True)[1]]
+        return torch.stack(columns, dim=-1)
 
 
 class Fp32LogProbs:

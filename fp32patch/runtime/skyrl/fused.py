@@ -43,7 +43,7 @@ TURN_OFF = f"set {KEY}=false"
 def mark(wrapper: Any, model: Any, mode: str, *, role: str) -> Any:
     """Route ``wrapper``'s log-probs through fp32patch's chunked piece in ``mode``; ``model`` is the
     HF model whose head ``heads.hf`` converted. Refuses a head the chunked piece cannot compute
-    (a bias, a final soft-cap). Returns ``wrapper``."""
+    (a bias); a model's final soft-cap is computed on the fp32 logits. Returns ``wrapper``."""
     from fp32patch.runtime.heads.hf import chunkable_head
 
     head, _ = chunkable_head(model, role=role, turn_off=TURN_OFF)
@@ -70,41 +70,28 @@ class ChunkedCall:
     logits. Any attribute read goes to the model (``self.model.config`` in the VLM branch)."""
 
     def __init__(self, wrapper: Any, head: Any, targets: Any, temperature: float, entropy: bool) -> None:
+        from fp32patch.runtime.heads.hf import final_softcap
+
         self._wrapper, self._head, self._targets = wrapper, head, targets
         self._mode = getattr(wrapper, MARK)
         self._temperature, self._entropy = temperature, entropy
-        self._result: Any = None
+        self._softcap = final_softcap(wrapper.model)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapper.model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from fp32patch.runtime.heads.hf import instead_of_logits
+        from fp32patch.runtime.heads.hf import call_computing_log_probs
 
-        model = self._wrapper.model
-        self._result = None
-        with instead_of_logits(self._head, self._compute):
-            output = model(*args, **kwargs)
-        if self._result is None:
-            raise UnsupportedLmHeadError(
-                f"fp32 LM head: {type(model).__name__} computed its logits without calling its LM head (a fused "
-                f"loss kernel, Liger?), so fp32patch could not compute the log-probs; {TURN_OFF}"
-            )
-        returned = output["logits"]
-        try:
-            same = returned.shape == self._result.shape and returned.data_ptr() == self._result.data_ptr()
-        except AttributeError:
-            same = False
-        if not same:
-            raise UnsupportedLmHeadError(
-                f"fp32 LM head: {type(model).__name__} changes its logits after the head (a scale, a soft-cap), "
-                f"which fp32patch's chunked log-probs do not do; {TURN_OFF} for this model"
-            )
-        output["logits"] = HeldLogProbs(returned, self._targets, self._temperature, self._entropy)
+        output, packed = call_computing_log_probs(
+            self._wrapper.model, self._head, self._compute, args, kwargs, turn_off=TURN_OFF
+        )
+        output["logits"] = HeldLogProbs(packed, self._targets, self._temperature, self._entropy)
         return output
 
     def _compute(self, hidden: Any, weight: Any) -> Any:
-        """In the head's call: [..., 1] log-probs, or [..., 2] log-probs and entropy, fp32."""
+        """In the head's call: [..., 1] log-probs, or [..., 2] log-probs and entropy, fp32 (of the
+        capped logits where the model caps them)."""
         import torch
 
         from fp32patch.runtime.kernels.chunked_logprobs import chunked_logprobs
@@ -116,10 +103,10 @@ class ChunkedCall:
             )
         targets = self._targets.to(hidden.device)
         out = chunked_logprobs(
-            hidden, weight, targets, mode=self._mode, temperature=self._temperature, entropy=self._entropy
-        )
-        self._result = torch.stack(list(out) if self._entropy else [out], dim=-1)
-        return self._result
+            hidden, weight, targets, mode=self._mode, temperature=self._temperature, entropy=self._entropy,
+            softcap=self._softcap,
+        )  # fmt: skip
+        return torch.stack(list(out) if self._entropy else [out], dim=-1)
 
 
 class HeldLogProbs:

@@ -51,7 +51,7 @@ def mark(model: Any, mode: str, *, role: str) -> Any:
     from fp32patch.runtime.heads.hf import _check_convertible, _find_head, chunkable_head
 
     _check_convertible(*_find_head(model))  # first: an adapter on the head is the refusal users meet
-    chunkable_head(model, role=role, turn_off="turn fp32_lm_head off", capped_ok=True)
+    chunkable_head(model, role=role, turn_off="turn fp32_lm_head off")
     setattr(model, MARK, mode)
     return model
 
