@@ -259,7 +259,10 @@ def test_the_wrappers_chunked_call_gives_the_capped_log_probs_of_a_capping_model
     (log_probs.sum() + entropy.sum()).backward()
     assert model.lm_head.weight.grad is not None and torch.isfinite(model.lm_head.weight.grad.float()).all()
 
-    model.applies = None if cap is None else cap / 2  # caps otherwise than its config says
     if cap is not None:
+        model.applies = cap / 2  # caps otherwise than its config says
         with pytest.raises(UnsupportedLmHeadError, match=f"other than its final_logit_softcapping={cap}"):
+            fused.model_call(wrapper, targets, 0.7, True, False)(ids)
+        model.applies = None  # its config names a cap its forward does not apply
+        with pytest.raises(UnsupportedLmHeadError, match=f"names final_logit_softcapping={cap}, but the model"):
             fused.model_call(wrapper, targets, 0.7, True, False)(ids)

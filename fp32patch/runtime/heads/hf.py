@@ -130,26 +130,41 @@ def instead_of_logits(head: Any, compute: Callable[[Any, Any], Any]) -> Iterator
 
 
 def call_computing_log_probs(
-    model: Any, head: Any, compute: Callable[[Any, Any], Any], args: tuple, kwargs: dict, *, turn_off: str
+    model: Any,
+    head: Any,
+    compute: Callable[[Any, Any], Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    softcap: float | None,
+    turn_off: str,
 ) -> tuple[Any, Any]:
     """``model(*args, **kwargs)`` with ``head``'s call returning ``compute(hidden, weight)``
-    (``instead_of_logits``): returns the model's output and what ``compute`` returned, which the
-    model must hand back as its logits. Either the same tensor (DeepSpeed's hooks may wrap it in
-    a new one over the same storage), or, for a model that soft-caps its final logits
-    (``final_softcap``), that cap applied to it as transformers' capping models apply it, ``x /
-    cap``, ``tanh``, ``* cap``: replayed here and compared bit for bit (``compute`` took the cap
-    into its log-probs, on the fp32 logits, as vLLM's logits processor applies it). Anything else
-    (a scale, another cap, a head never called) is refused, naming the model and ``turn_off``."""
+    (``instead_of_logits``). Returns the model's output and the head's output as the model got
+    it: ``compute``'s tensor, or the one the trainer's hooks on the head made of it (DeepSpeed
+    ZeRO-3 wraps it in a new tensor over the same storage, whose backward gathers the weight
+    again: the caller must hold that one). The model must hand it back as its logits, as it is
+    or, for a model that soft-caps its final logits (``softcap``: ``final_softcap`` of the HF
+    model, which ``model``, a trainer's engine, may wrap), capped as transformers' capping models
+    cap them, ``x / cap``, ``tanh``, ``* cap``: replayed here and compared bit for
+    bit (``compute`` took the cap into its log-probs, on the fp32 logits, as vLLM's logits
+    processor applies it). Anything else (a scale, another cap, a config's cap the model does not
+    apply, a head never called) is refused, naming the model and ``turn_off``."""
     import torch
 
     computed: list[Any] = []
+    seen: list[Any] = []
 
     def recording(hidden: Any, weight: Any) -> Any:
         computed.append(compute(hidden, weight))
         return computed[-1]
 
-    with instead_of_logits(head, recording):
-        output = model(*args, **kwargs)
+    hook = head.register_forward_hook(lambda module, inputs, out: seen.append(out))  # after the trainer's
+    try:
+        with instead_of_logits(head, recording):
+            output = model(*args, **kwargs)
+    finally:
+        hook.remove()
     name = type(model).__name__
     if not computed:
         raise UnsupportedLmHeadError(
@@ -157,13 +172,20 @@ def call_computing_log_probs(
             f"so fp32patch could not compute the log-probs; {turn_off}"
         )
     result, returned = computed[-1], output["logits"]
+    cap = softcap
     if _same_storage(returned, result):
-        return output, result
-    cap = final_softcap(model)
+        if cap is None:
+            return output, returned
+        # compute capped what the model hands back uncapped: its config's cap is not the model's
+        raise UnsupportedLmHeadError(
+            f"fp32 LM head: {name}'s config names final_logit_softcapping={cap}, but the model hands back its "
+            f"head's logits uncapped, so fp32patch cannot tell which logits it computes; {turn_off} for this model"
+        )
+    headed = seen[-1] if seen and _same_storage(seen[-1], result) else result
     if cap is not None and isinstance(returned, torch.Tensor) and returned.shape == result.shape:
         with torch.no_grad():
-            if torch.equal(returned, torch.tanh(result / cap) * cap):
-                return output, result
+            if torch.equal(returned, torch.tanh(headed / cap) * cap):
+                return output, headed
     capped = f"a soft-cap other than its final_logit_softcapping={cap}" if cap is not None else "a soft-cap"
     raise UnsupportedLmHeadError(
         f"fp32 LM head: {name} changes its logits after the head (a scale, {capped}), which fp32patch's chunked "

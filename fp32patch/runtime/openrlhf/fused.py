@@ -37,6 +37,7 @@ from fp32patch.runtime.heads.hf import UnsupportedLmHeadError
 # patched files, openrlhf_gate.py, without importing fp32patch) and its head (weakly).
 MARK = "_fp32patch_lm_head"
 HEAD = "_fp32patch_head"
+SOFTCAP = "_fp32patch_softcap"  # the HF model's final soft-cap (None: none), read before an engine wraps it
 
 
 def marked_mode(actor: Any) -> str | None:
@@ -49,12 +50,13 @@ def mark(actor: Any, model: Any, mode: str, *, role: str) -> Any:
     HF model (or PEFT's wrapper) whose head ``heads.hf`` converted. Refuses a head the chunked
     piece cannot compute (a bias); a model's final soft-cap is computed on the fp32 logits.
     Returns ``actor``."""
-    from fp32patch.runtime.heads.hf import chunkable_head
+    from fp32patch.runtime.heads.hf import chunkable_head, final_softcap
 
     head, _ = chunkable_head(model, role=role, turn_off="drop --fp32_lm_head")
     # plain attributes: a module here would become a submodule of the actor (and of its state dict)
     setattr(actor, MARK, mode)
     setattr(actor, HEAD, weakref.ref(head))
+    setattr(actor, SOFTCAP, final_softcap(model))
     return actor
 
 
@@ -75,19 +77,23 @@ class ChunkedCall:
     logits."""
 
     def __init__(self, actor: Any, head: Any, targets: Any, *, entropy: bool, entropy_after_temperature: bool) -> None:
-        from fp32patch.runtime.heads.hf import final_softcap
-
         self.actor, self.head, self.targets = actor, head, targets
         self.mode = marked_mode(actor)
         self.temperature = float(getattr(actor, "temperature", 1.0))
         self.entropy_temperature = (self.temperature if entropy_after_temperature else 1.0) if entropy else None
-        self.softcap = final_softcap(actor.model)
+        self.softcap = getattr(actor, SOFTCAP, None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from fp32patch.runtime.heads.hf import call_computing_log_probs
 
         output, packed = call_computing_log_probs(
-            self.actor.model, self.head, self.compute, args, kwargs, turn_off="drop --fp32_lm_head"
+            self.actor.model,
+            self.head,
+            self.compute,
+            args,
+            kwargs,
+            softcap=self.softcap,
+            turn_off="drop --fp32_lm_head",
         )
         output["logits"] = Fp32LogProbs(packed, self.targets, self.temperature, self.entropy_temperature)
         return output

@@ -37,6 +37,7 @@ from fp32patch.runtime.skyrl.config import KEY
 # patched file, skyrl_gate.py, without importing fp32patch) and its head (weakly).
 MARK = "_fp32patch_lm_head"
 HEAD = "_fp32patch_head"
+SOFTCAP = "_fp32patch_softcap"  # the HF model's final soft-cap (None: none), read where the model is known
 TURN_OFF = f"set {KEY}=false"
 
 
@@ -44,12 +45,13 @@ def mark(wrapper: Any, model: Any, mode: str, *, role: str) -> Any:
     """Route ``wrapper``'s log-probs through fp32patch's chunked piece in ``mode``; ``model`` is the
     HF model whose head ``heads.hf`` converted. Refuses a head the chunked piece cannot compute
     (a bias); a model's final soft-cap is computed on the fp32 logits. Returns ``wrapper``."""
-    from fp32patch.runtime.heads.hf import chunkable_head
+    from fp32patch.runtime.heads.hf import chunkable_head, final_softcap
 
     head, _ = chunkable_head(model, role=role, turn_off=TURN_OFF)
     # plain attributes: a module here would become a submodule of the wrapper (and of its state dict)
     object.__setattr__(wrapper, MARK, mode)
     object.__setattr__(wrapper, HEAD, weakref.ref(head))
+    object.__setattr__(wrapper, SOFTCAP, final_softcap(model))
     return wrapper
 
 
@@ -70,12 +72,10 @@ class ChunkedCall:
     logits. Any attribute read goes to the model (``self.model.config`` in the VLM branch)."""
 
     def __init__(self, wrapper: Any, head: Any, targets: Any, temperature: float, entropy: bool) -> None:
-        from fp32patch.runtime.heads.hf import final_softcap
-
         self._wrapper, self._head, self._targets = wrapper, head, targets
         self._mode = getattr(wrapper, MARK)
         self._temperature, self._entropy = temperature, entropy
-        self._softcap = final_softcap(wrapper.model)
+        self._softcap = getattr(wrapper, SOFTCAP, None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapper.model, name)
@@ -84,7 +84,7 @@ class ChunkedCall:
         from fp32patch.runtime.heads.hf import call_computing_log_probs
 
         output, packed = call_computing_log_probs(
-            self._wrapper.model, self._head, self._compute, args, kwargs, turn_off=TURN_OFF
+            self._wrapper.model, self._head, self._compute, args, kwargs, softcap=self._softcap, turn_off=TURN_OFF
         )
         output["logits"] = HeldLogProbs(packed, self._targets, self._temperature, self._entropy)
         return output

@@ -30,16 +30,18 @@ import torch
 from tests.heavy.openrlhf import harness
 from tests.heavy.openrlhf.actor_run import RESPONSE, TEMPERATURE
 
-STAGES = {"stock": [3], "off": [3], "on": [3, 2]}
+STAGES = {"stock": [3], "off": [3], "on": [3, 2], "on-capped": [3]}
+CAP = 5.0  # capped_model_dir's final_logit_softcapping
 
 
 @pytest.fixture(scope="session")  # one run per way, however xdist interleaves the modules
-def actor_runs(tmp_path_factory, model_dir, patched_root):
+def actor_runs(tmp_path_factory, model_dir, capped_model_dir, patched_root):
     cache: dict[str, list[dict]] = {}
 
     def get(way: str) -> list[dict]:
         if way not in cache:
-            settings = {"model": str(model_dir), "switch": "fp32out" if way == "on" else None,
+            model = capped_model_dir if way == "on-capped" else model_dir
+            settings = {"model": str(model), "switch": "fp32out" if way.startswith("on") else None,
                         "stages": STAGES[way], "world": 2}  # fmt: skip
             out = tmp_path_factory.mktemp(f"actor-{way}")
             harness.run("tests.heavy.openrlhf.actor_run", settings, out, None if way == "stock" else patched_root)
@@ -49,13 +51,19 @@ def actor_runs(tmp_path_factory, model_dir, patched_root):
     return get
 
 
-def _float64(rec: dict, temperature: float = TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
+def _float64(
+    rec: dict, temperature: float = TEMPERATURE, cap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The action tokens' log-probs and entropies, in float64, from the hidden states and the head
-    weight the forward met: each packed row's logits over the vocabulary, divided by the temperature."""
+    weight the forward met: each packed row's logits over the vocabulary (soft-capped at ``cap``),
+    divided by the temperature."""
     seqs, mask = rec["sequences"], rec["attention_mask"]
     batch, seqlen = seqs.shape
     rows = torch.nonzero(mask.flatten()).flatten()  # the packed rows' places in [batch, seqlen]
-    logits = (rec["hidden"][0].double() @ rec["weight"].double().T) / temperature
+    logits = rec["hidden"][0].double() @ rec["weight"].double().T
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    logits = logits / temperature
     logp = torch.log_softmax(logits, -1)
     full_lp = torch.zeros(batch * seqlen, dtype=torch.float64)
     full_ent = torch.zeros(batch * seqlen, dtype=torch.float64)
@@ -104,6 +112,21 @@ def test_switched_on_fp32_log_probs_entropy_and_a_finite_step(actor_runs, stage)
             assert rec["grad"].numel() == rec["partition"] < 500 * 128
         assert rec["master_after"].isfinite().all() and not torch.equal(rec["master_after"], rec["master_before"])
         assert rec["digest"].isfinite().all()
+
+
+def test_a_soft_capped_model_under_zero3_gets_fp32_capped_log_probs_and_a_finite_step(actor_runs):
+    """A tiny Gemma 2 (final_logit_softcapping 5.0): the chunked piece caps the fp32 logits, the
+    model's own cap on the head's output is checked and set aside, and the backward reaches the
+    head's partition through the tensor ZeRO-3's hooks made (its weight gathered again)."""
+    for rec in (r["zero3"] for r in actor_runs("on-capped")):
+        want_lp, want_ent = _float64(rec, cap=CAP)
+        uncapped, _ = _float64(rec)
+        assert _error(rec["log_probs"], uncapped) > 0.1  # the cap bites
+        assert _error(rec["log_probs"], want_lp) < 3e-5, _error(rec["log_probs"], want_lp)
+        assert _error(rec["entropy"], want_ent) < 3e-5, _error(rec["entropy"], want_ent)
+        assert rec["grad"] is not None and rec["grad"].isfinite().all() and rec["grad"].abs().max() > 0
+        assert rec["grad"].numel() == rec["partition"] < 500 * 128
+        assert rec["master_after"].isfinite().all() and not torch.equal(rec["master_after"], rec["master_before"])
 
 
 def test_switched_on_and_off_heads_get_the_same_gradient_up_to_bf16(actor_runs):
