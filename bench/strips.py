@@ -35,13 +35,13 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import lm_head  # noqa: E402
 from fp32patch.runtime.kernels import chunked_logprobs as cl  # noqa: E402
 from fp32patch.runtime.kernels import fp32out  # noqa: E402
 from fp32patch.runtime.trl.fused import tile as trl_tile  # noqa: E402
@@ -73,23 +73,8 @@ WARMUP = 3
 
 
 def time_ms(fn, iters: int = 20) -> float:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(iters):
-        if _device() == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    """bench/lm_head.py's timer (CUDA events; wall time on the CPU), after ``WARMUP`` calls."""
+    return lm_head.time_ms(fn, warmup=WARMUP, iters=iters)
 
 
 class Problem:
@@ -251,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kept": parse(args.row_config) if args.row_config else ROW_CONFIGS,
     }
     iters = args.iters
+    lm_head.DEVICE = _device()
     if args.smoke:
         global WARMUP
         shapes, iters, WARMUP = [(40, 32, 300)], 1, 0
