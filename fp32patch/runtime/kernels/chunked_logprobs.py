@@ -701,12 +701,15 @@ class _TritonKernels:
         )  # fmt: skip
 
     # Strips (not measured on a GPU yet: bench/strips.py sweeps them). A tile computed
-    # transposed (tokens contiguous): STRIP_BV entries a program in blocks of STRIP_BT tokens,
-    # and a tile of at most STRIP_ONE_BLOCK tokens in one block, held while it is written. A kept
+    # transposed (tokens contiguous): STRIP_BV entries a program in blocks of STRIP_BT tokens; a
+    # tile of at most STRIP_ONE_BLOCK tokens in one block, held while it is written, of
+    # STRIP_HELD values (entries x tokens) a program over STRIP_HELD_WARPS warps (two entries at
+    # 4,096 tokens: each program reads the per-token vectors, 16 bytes a token, once for its
+    # entries, so one entry a program would read four times its tile's bytes from L2). A kept
     # row-major tile (entries contiguous): STRIP_ROW_BV entries a program (a row's segment of
     # them contiguous) in blocks of STRIP_ROW_BT tokens, each strip read twice.
     STRIP_BV, STRIP_BT, STRIP_WARPS = 4, 1024, 8
-    STRIP_ONE_BLOCK = 4096
+    STRIP_ONE_BLOCK, STRIP_HELD, STRIP_HELD_WARPS = 4096, 8192, 16
     STRIP_ROW_BV, STRIP_ROW_BT, STRIP_ROW_WARPS = 32, 128, 8
 
     def strip_shape(self, n_tokens: int, tokens_contiguous: bool = True) -> tuple[int, int, int]:
@@ -715,7 +718,7 @@ class _TritonKernels:
             return self.STRIP_ROW_BV, self.STRIP_ROW_BT, self.STRIP_ROW_WARPS
         if n_tokens <= self.STRIP_ONE_BLOCK:
             bt = max(16, 1 << (n_tokens - 1).bit_length())
-            return max(1, self.STRIP_BV * self.STRIP_BT // bt), bt, self.STRIP_WARPS
+            return max(1, self.STRIP_HELD // bt), bt, self.STRIP_HELD_WARPS
         return self.STRIP_BV, self.STRIP_BT, self.STRIP_WARPS
 
 

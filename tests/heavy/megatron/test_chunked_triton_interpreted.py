@@ -288,6 +288,7 @@ def test_strip_kernel_gives_the_two_passes_bits(calls, monkeypatch, layout, temp
         monkeypatch.setattr(cl._TritonKernels, "STRIP_ONE_BLOCK", 16)
         monkeypatch.setattr(cl._TritonKernels, "STRIP_BT", 32)
         monkeypatch.setattr(cl._TritonKernels, "STRIP_BV", 32)  # (fewer programs: the interpreter's time)
+    monkeypatch.setattr(cl._TritonKernels, "STRIP_HELD", 32 * 128)
     monkeypatch.setattr(cl._TritonKernels, "STRIP_ROW_BT", 32)
     bv, bt, _ = kernels.strip_shape(rows, tokens_contiguous=layout != "kept")
     assert (bt >= rows) == (layout == "one block") and (bv, bt) == (32, 128 if layout == "one block" else 32)
