@@ -58,8 +58,8 @@ if [ "$ROUND" = 10 ]; then
     # own, and the gradient and scales kernels that now take their formulas from triton_logits),
     # the sweep of its shapes against the two passes at TRL's tiles and a 7B tile, then TRL's pair
     # through it at 0.5B, 4k and 16k, against TRL's own and the two passes, paired
-    part gpu-tests 150 python -m pytest -q -p no:cacheprovider tests/gpu
-    part strips 120 python bench/strips.py --json "$WORK/strips-$TAG.json"
+    part gpu-tests 170 python -m pytest -q -p no:cacheprovider tests/gpu
+    part strips 150 python bench/strips.py --json "$WORK/strips-$TAG.json"
     part trl-strips 240 python bench/step.py --models 0.5B-tied --tokens 4096 16384 --entropy off --per-round 1 \
         --rounds 30 --ways trl-chunked fp32patch-trl fp32patch-trl-strips fp32patch-trl-bf16grad \
         --out "$WORK/step-trl-strips-$TAG.json"
