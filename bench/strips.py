@@ -97,32 +97,18 @@ class Problem:
 
 
 def passes_convert(k, p: Problem, plain_dtype):
-    amax = torch.zeros(p.tile.shape[1], dtype=torch.float32, device=p.tile.device)
-    k.grad(p.tile, *p.args, in_place=False, amax=amax)
-    scale = fp32out.pow2_scales(amax)
-    g16 = torch.empty(p.tile.shape, dtype=torch.float16, device=p.tile.device)
-    plain = torch.empty(p.tile.shape, dtype=plain_dtype, device=p.tile.device)
-    k.grad(p.tile, *p.args, in_place=False, scale=scale, out16=g16, plain=plain)
-    return scale, g16, plain
+    """The two passes' copies as the backward makes them (``chunked_logprobs.pass_copies``)."""
+    return cl.pass_copies(k, p.tile, p.args, True, plain_dtype)
 
 
 def strips_convert(k, p: Problem, tile_t, plain_dtype):
-    """The strips' copies, laid out as ``tile_t`` is (contiguous, or a row-major tile's view)."""
-    kept = tile_t.stride(1) != 1
-    shape = tuple(reversed(tile_t.shape)) if kept else tuple(tile_t.shape)
-    scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
-    g16 = torch.empty(shape, dtype=torch.float16, device=tile_t.device)
-    plain = torch.empty(shape, dtype=plain_dtype, device=tile_t.device)
-    if kept:
-        g16, plain = g16.t(), plain.t()
-    k.grad_strips(tile_t, *p.args, scale=scale, out16=g16, plain=plain)
-    return scale, g16, plain
+    """The strips' copies, laid out as ``tile_t`` is (``chunked_logprobs.strip_copies``)."""
+    return cl.strip_copies(k, tile_t, p.args, plain_dtype)
 
 
 def bf16grad_convert(k, p: Problem, plain_dtype):
-    plain = torch.empty(p.tile.shape, dtype=plain_dtype, device=p.tile.device)
-    k.grad(p.tile, *p.args, in_place=False, plain=plain)
-    return plain
+    """fp32out-bf16grad's one pass (the plain copy alone)."""
+    return cl.pass_copies(k, p.tile, p.args, False, plain_dtype)[2]
 
 
 def tile_backward(p: Problem, mode: str = "fp32out", kept: bool = False):

@@ -172,21 +172,20 @@ def call_computing_log_probs(
             f"so fp32patch could not compute the log-probs; {turn_off}"
         )
     result, returned = computed[-1], output["logits"]
-    cap = softcap
     if _same_storage(returned, result):
-        if cap is None:
+        if softcap is None:
             return output, returned
         # compute capped what the model hands back uncapped: its config's cap is not the model's
         raise UnsupportedLmHeadError(
-            f"fp32 LM head: {name}'s config names final_logit_softcapping={cap}, but the model hands back its "
+            f"fp32 LM head: {name}'s config names final_logit_softcapping={softcap}, but the model hands back its "
             f"head's logits uncapped, so fp32patch cannot tell which logits it computes; {turn_off} for this model"
         )
     headed = seen[-1] if seen and _same_storage(seen[-1], result) else result
-    if cap is not None and isinstance(returned, torch.Tensor) and returned.shape == result.shape:
+    if softcap is not None and isinstance(returned, torch.Tensor) and returned.shape == result.shape:
         with torch.no_grad():
-            if torch.equal(returned, torch.tanh(headed / cap) * cap):
+            if torch.equal(returned, torch.tanh(headed / softcap) * softcap):
                 return output, headed
-    capped = f"a soft-cap other than its final_logit_softcapping={cap}" if cap is not None else "a soft-cap"
+    capped = f"a soft-cap other than its final_logit_softcapping={softcap}" if softcap is not None else "a soft-cap"
     raise UnsupportedLmHeadError(
         f"fp32 LM head: {name} changes its logits after the head (a scale, {capped}), which fp32patch's chunked "
         f"log-probs do not do; {turn_off} for this model"
@@ -194,6 +193,8 @@ def call_computing_log_probs(
 
 
 def _same_storage(returned: Any, computed: Any) -> bool:
+    """Whether ``returned`` is ``computed`` or a new tensor over the same storage (DeepSpeed's
+    hooks wrap a module's output so); a scale or a soft-cap makes a new one."""
     try:
         return returned.shape == computed.shape and returned.data_ptr() == computed.data_ptr()
     except AttributeError:

@@ -892,11 +892,12 @@ def _tile_backward(
 
     args = (rows.targets, rows.col0, rows.temperature, rows.log_z, rows.entropy, rows.grad_logp, rows.grad_entropy)
     kernels = _triton(block)
-    if kernels is not None and plan.mode == "fp32out" and want_dw and strips():
-        if block.dtype in (torch.bfloat16, torch.float16):
-            return _strip_backward(plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled, kept)
+    fused = kernels is not None and plan.mode in _FUSED_MODES and block.dtype in (torch.bfloat16, torch.float16)
+    scaled = plan.mode == "fp32out" and want_dw
+    if fused and scaled and strips():
+        return _strip_backward(plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled, kept)
     tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
-    if kernels is None or plan.mode not in _FUSED_MODES or block.dtype not in (torch.bfloat16, torch.float16):
+    if not fused:
         if kept is not None:  # the torch steps write the gradient over the tile
             tile = tile.clone()
         grad_tile(tile, *args, softcap=plan.softcap)
@@ -908,16 +909,8 @@ def _tile_backward(
         if part is not None:
             dx_rows.add_(part)
         return dw
-    scaled = plan.mode == "fp32out" and want_dw
-    g16 = scale = plain = None
-    if scaled:
-        amax = torch.zeros(tile.shape[1], dtype=torch.float32, device=tile.device)
-        kernels.grad(tile, *args, in_place=False, amax=amax, softcap=plan.softcap)
-        scale = fp32out.pow2_scales(amax)
-        g16 = torch.empty(tile.shape, dtype=torch.float16, device=tile.device)
-    if dx_rows is not None or not scaled:
-        plain = torch.empty(tile.shape, dtype=block.dtype, device=tile.device)
-    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain, softcap=plan.softcap)
+    plain_dtype = block.dtype if dx_rows is not None or not scaled else None
+    scale, g16, plain = pass_copies(kernels, tile, args, scaled, plain_dtype, plan.softcap)
     del tile
     if dx_rows is not None:
         _accumulate_product(dx_rows, plain, block)
@@ -947,22 +940,54 @@ def _strip_backward(plan: _Plan, kernels, xr, block, args, dx_rows, acc, dw_dtyp
     xr.T``: each entry's strip contiguous), its copies laid out so, as the weight gradient's GEMM
     takes its operand (the input gradient's takes a transposed view); a kept tile ([rows,
     block], read not written) is read through its transposed view, its copies laid out as it."""
-    import torch
-
     tile_t = _fwd_mm(plan.mode, block, xr) if kept is None else kept.t()
-    scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
-    # the copies laid out as the tile is: [block, rows] contiguous, or a [rows, block] one's view
-    shape = tile_t.shape if kept is None else kept.shape
-    g16 = torch.empty(shape, dtype=torch.float16, device=block.device)
-    plain = None if dx_rows is None else torch.empty(shape, dtype=block.dtype, device=block.device)
-    if kept is not None:
-        g16, plain = g16.t(), None if plain is None else plain.t()
-    kernels.grad_strips(tile_t, *args, scale=scale, out16=g16, plain=plain, softcap=plan.softcap)
+    scale, g16, plain = strip_copies(kernels, tile_t, args, None if dx_rows is None else block.dtype, plan.softcap)
     del tile_t
     if plain is not None:
         _accumulate_product(dx_rows, plain.t(), block)
         del plain
     return _scaled_weight_grad(g16, scale, xr, acc, dw_dtype, x_scaled)
+
+
+def pass_copies(kernels, tile, args, scaled: bool, plain_dtype, softcap=None):
+    """The 16-bit copies of a [rows, entries] tile's gradient in the two passes: with ``scaled``
+    its column maxima (one pass), their scales, then fp16 times the scale; the gradient in
+    ``plain_dtype`` (None: not written). Returns (scale, fp16 copy, plain copy), None where not
+    made; ``args``: ``_RowGrads``' fields in order."""
+    import torch
+
+    from fp32patch.runtime.kernels import fp32out
+
+    scale = g16 = plain = None
+    if scaled:
+        amax = torch.zeros(tile.shape[1], dtype=torch.float32, device=tile.device)
+        kernels.grad(tile, *args, in_place=False, amax=amax, softcap=softcap)
+        scale = fp32out.pow2_scales(amax)
+        g16 = torch.empty(tile.shape, dtype=torch.float16, device=tile.device)
+    if plain_dtype is not None:
+        plain = torch.empty(tile.shape, dtype=plain_dtype, device=tile.device)
+    kernels.grad(tile, *args, in_place=False, scale=scale, out16=g16, plain=plain, softcap=softcap)
+    return scale, g16, plain
+
+
+def strip_copies(kernels, tile_t, args, plain_dtype, softcap=None):
+    """``pass_copies``' scaled copies from the strip kernel, for a tile seen as [entries, rows]
+    (``tile_t``: computed so, or a row-major tile's ``.t()``), laid out as ``tile_t`` is
+    (contiguous, or the row-major tile's transposed view). Returns (scale, fp16, plain or None)."""
+    import torch
+
+    rows_major = tile_t.stride(1) != 1
+    shape = tile_t.shape[::-1] if rows_major else tile_t.shape
+
+    def empty(dtype):
+        out = torch.empty(shape, dtype=dtype, device=tile_t.device)
+        return out.t() if rows_major else out
+
+    scale = torch.empty(tile_t.shape[0], dtype=torch.float32, device=tile_t.device)
+    g16 = empty(torch.float16)
+    plain = None if plain_dtype is None else empty(plain_dtype)
+    kernels.grad_strips(tile_t, *args, scale=scale, out16=g16, plain=plain, softcap=softcap)
+    return scale, g16, plain
 
 
 def _scaled_weight_grad(g16, scale, xr, acc, dw_dtype, x_scaled):
