@@ -58,26 +58,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def capped_model_dir(tmp_path_factory) -> Path:
-    """A tiny Gemma 2 (bf16 on disk, untied head of 500 x 128, logits of ~10) whose final logits
-    it soft-caps at 5.0 (``final_logit_softcapping``), for OpenRLHF's Actor to load."""
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
+    """A tiny Gemma 2 that soft-caps its final logits at 5.0, for OpenRLHF's Actor to load."""
     from tests.heavy.vllm_engine import harness as engine
 
-    config = Gemma2Config(
-        vocab_size=engine.VOCAB, hidden_size=engine.HIDDEN, intermediate_size=128, num_hidden_layers=engine.LAYERS,
-        num_attention_heads=engine.HEADS, num_key_value_heads=engine.KV_HEADS, head_dim=engine.HIDDEN // engine.HEADS,
-        max_position_embeddings=256, tie_word_embeddings=False, final_logit_softcapping=5.0,
-        attn_logit_softcapping=None, eos_token_id=0, bos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    model = Gemma2ForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)
-    folder = tmp_path_factory.mktemp("tiny-gemma2")
-    model.to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    return engine.save_capped_model(tmp_path_factory.mktemp("tiny-gemma2"))
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,9 @@ import torch
 
 from tests.heavy.openrlhf import harness
 from tests.heavy.openrlhf.actor_run import RESPONSE, TEMPERATURE
+from tests.heavy.vllm_engine.harness import CAP
 
 STAGES = {"stock": [3], "off": [3], "on": [3, 2], "on-capped": [3]}
-CAP = 5.0  # capped_model_dir's final_logit_softcapping
 
 
 @pytest.fixture(scope="session")  # one run per way, however xdist interleaves the modules

@@ -46,3 +46,11 @@ def model_dir(tmp_path_factory) -> Path:
     from tests.heavy.vllm_engine import harness as engine
 
     return engine.save_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def capped_model_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma 2 that soft-caps its final logits at 5.0 (``final_logit_softcapping``)."""
+    from tests.heavy.vllm_engine import harness as engine
+
+    return engine.save_capped_model(tmp_path_factory.mktemp("tiny-gemma2"))

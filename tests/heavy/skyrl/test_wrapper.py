@@ -8,7 +8,10 @@ ways:
 - the patched root with ``trainer.fp32_lm_head=fp32out``, wired as the patched FSDP worker wires
   the wrapper: the log-probs and the entropy equal float64's of the very operands the head met
   (the final norm's bf16 hidden states and the bf16 head) within 1e-4, the head's gradient equals
-  float64's within its bf16 rounding, while stock's log-probs are off by bf16 logits' rounding.
+  float64's within its bf16 rounding, while stock's log-probs are off by bf16 logits' rounding;
+- the same two ways over a tiny Gemma 2 that soft-caps its final logits: switched on, the
+  log-probs and the entropy of the capped fp32 logits (float64's within 1e-4, the cap biting),
+  the head's gradient through the cap; stock's from the capped bf16 logits.
 
 Not run here: SkyRL's FSDP worker itself (``FSDPPolicyWorkerBase.init_model`` needs Ray and CUDA;
 the run calls the gate the worker calls), FSDP2's sharding, Ulysses sequence parallelism,
@@ -22,15 +25,17 @@ import torch
 
 from tests.heavy.openrlhf import harness
 from tests.heavy.skyrl.wrapper_run import RESPONSE, TEMPERATURE, loss_of
+from tests.heavy.vllm_engine.harness import CAP
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, model_dir, patched_root):
+def runs(tmp_path_factory, model_dir, capped_model_dir, patched_root):
     cache: dict[str, dict] = {}
 
     def get(way: str) -> dict:
         if way not in cache:
-            settings = {"model": str(model_dir), "switch": "fp32out" if way == "on" else None}
+            model = capped_model_dir if way.endswith("-capped") else model_dir
+            settings = {"model": str(model), "switch": "fp32out" if way.startswith("on") else None}
             out = tmp_path_factory.mktemp(f"skyrl-wrapper-{way}")
             harness.run("tests.heavy.skyrl.wrapper_run", settings, out, None if way == "stock" else patched_root)
             cache[way] = torch.load(out / "record.pt")
@@ -39,15 +44,19 @@ def runs(tmp_path_factory, model_dir, patched_root):
     return get
 
 
-def _float64(rec: dict) -> dict:
+def _float64(rec: dict, cap: float | None = None) -> dict:
     """Log-probs, entropy and the head's gradient of the step, in float64 from the hidden states
-    and the head weight the forward met (the packed rows' logits over the vocabulary / T)."""
+    and the head weight the forward met (the packed rows' logits, soft-capped at ``cap`` where
+    given, over the vocabulary / T)."""
     seqs, mask = rec["sequences"], rec["attention_mask"]
     batch, seqlen = seqs.shape
     rows = torch.nonzero(mask.flatten()).flatten()
     targets = torch.roll(seqs.flatten()[rows], -1)
     weight = rec["weight"].double().requires_grad_()
-    logits = (rec["hidden"][0].double() @ weight.T) / TEMPERATURE
+    logits = rec["hidden"][0].double() @ weight.T
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    logits = logits / TEMPERATURE
     logp = torch.log_softmax(logits, -1)
     token = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
@@ -78,6 +87,21 @@ def test_on_is_float64_grade(runs):
     assert torch.equal(on["old_log_probs"], on["log_probs"])  # no_grad and grad passes agree
     scale = ref["grad"].abs().max()
     assert (on["grad"].double() - ref["grad"]).abs().max() <= scale * 2**-7
+
+
+def test_a_soft_capped_model_gets_the_capped_fp32_log_probs_and_gradient(runs):
+    on, stock = runs("on-capped"), runs("stock-capped")
+    ref, uncapped = _float64(on, cap=CAP), _float64(on)
+    assert on["fp32patch_imported"] and on["log_probs_dtype"] == "torch.float32"
+    assert (ref["log_probs"] - uncapped["log_probs"]).abs().max() > 0.1  # the cap bites
+    assert (on["log_probs"].double() - ref["log_probs"]).abs().max() < 1e-4
+    assert (on["entropy"].double() - ref["entropy"]).abs().max() < 1e-4
+    assert torch.equal(on["old_log_probs"], on["log_probs"])
+    scale = ref["grad"].abs().max()
+    assert (on["grad"].double() - ref["grad"]).abs().max() <= scale * 2**-7
+    # stock SkyRL over the same model: the model's cap on bf16 logits, bf16 grade
+    stock_ref = _float64(stock, cap=CAP)
+    assert 1e-3 < (stock["log_probs"].double() - stock_ref["log_probs"]).abs().max() < 0.5
 
 
 def test_stock_is_bf16_grade(runs):

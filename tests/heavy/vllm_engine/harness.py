@@ -86,6 +86,31 @@ def save_model(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+CAP = 5.0  # save_capped_model's final_logit_softcapping
+
+
+def save_capped_model(folder: Path) -> Path:
+    """A tiny Gemma 2 (bf16 on disk, untied head of ``VOCAB`` x ``HIDDEN``, logits of ~10) whose
+    final logits it soft-caps at ``CAP`` (``final_logit_softcapping``): for the stacks' trainer
+    paths that load a soft-capped model. No tokenizer: the runs feed token ids."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+        max_position_embeddings=256, tie_word_embeddings=False, final_logit_softcapping=CAP,
+        attn_logit_softcapping=None, eos_token_id=0, bos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
 # ---------------------------------------------------------------- engines and their generations
 
 ENGINE_ARGS = dict(
