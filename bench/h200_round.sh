@@ -26,7 +26,8 @@
 # fused path at 32k/64k, 7B at 64k on an H200; the sixth (6) TRL's taller tiles at 8k and 64k;
 # the seventh (7) SkyRL's fused path at 1.5B and 7B; the eighth (8) its 7B/1k cell again; the
 # ninth (9) what issue 44 still waits for (the stock pair paired at 4k, 7B at 64k on an H200); the
-# tenth (10) the strip kernel for fp32out's recomputed tiles (its tests, its shapes, TRL's pair).
+# tenth (10) the strip kernel for fp32out's recomputed tiles (its tests, its shapes, TRL's pair);
+# the eleventh (11) the strips as the default for the recomputed tiles they hold in one block.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -53,6 +54,22 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 11 ]; then
+    # round 10 (H100): the strips won where a tile of at most 4,096 tokens was held (0.81-0.85x
+    # the passes' tile backward) and lost or tied elsewhere; now they hold up to 8,192 tokens (16
+    # warps) and 16,384 in a light launch (32 warps), and the runtime takes them by default for
+    # the recomputed tiles they hold. Their CUDA tests; the sweep with the taller held shapes;
+    # TRL's pair at 4k/8k/16k (the default, the passes, bf16grad) paired; the recomputing way at 1.5B/4k
+    part gpu-strips 90 python -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_logprobs_cuda.py -k strip
+    part strips 150 python bench/strips.py --json "$WORK/strips-$TAG.json"
+    part trl 200 python bench/step.py --models 0.5B-tied --tokens 4096 8192 16384 --entropy off --per-round 1 \
+        --rounds 30 --ways trl-chunked fp32patch-trl fp32patch-trl-passes fp32patch-trl-bf16grad \
+        --out "$WORK/step-trl-$TAG.json"
+    part recompute 100 python bench/step.py --models 1.5B-untied --tokens 4096 --entropy off --per-round 1 \
+        --rounds 20 --ways verl-fused fp32patch-recompute fp32patch-recompute-passes \
+        --out "$WORK/step-recompute-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 10 ]; then
     # the strip kernel (FP32PATCH_STRIPS=1, off by default until this round): the CUDA tests (its
     # own, and the gradient and scales kernels that now take their formulas from triton_logits),

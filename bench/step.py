@@ -120,6 +120,7 @@ PAIRS = [
     ("TRL chunked log-probs, fp32out-bf16grad", "trl-chunked", "fp32patch-trl-bf16grad"),
     ("TRL chunked log-probs, 4,096-row tiles", "trl-chunked", "fp32patch-trl-rows4k"),
     ("TRL chunked log-probs, strips", "trl-chunked", "fp32patch-trl-strips"),
+    ("TRL chunked log-probs, two passes", "trl-chunked", "fp32patch-trl-passes"),
     ("TRL chunked log-probs, fp32out-bf16grad, 4,096-row tiles", "trl-chunked", "fp32patch-trl-bf16grad-rows4k"),
 ]
 # chunked_logprobs' tiles the --head sweep measures: (rows, vocabulary); 0 = every token / entry
@@ -374,10 +375,14 @@ WAYS: dict[str, tuple[Callable, bool]] = {
     # are today's fp32patch-trl and fp32patch-trl-bf16grad, its plain ones these)
     "fp32patch-trl-rows4k": (_ours(_trl_rows4k_tile), False),
     "fp32patch-trl-bf16grad-rows4k": (_ours(_trl_rows4k_tile, mode="fp32out-bf16grad"), False),
-    # TRL's path and the recomputing call with fp32out's recomputed tiles through the strip
-    # kernel (FP32PATCH_STRIPS=1: one launch and no atomics where the two passes take three)
+    # TRL's path and the recomputing call with fp32out's backward tiles all through the strip
+    # kernel (FP32PATCH_STRIPS=1: one launch and no atomics where the two passes take three),
+    # or none (0: the two passes); the plain ways take the runtime's choice (the strips for a
+    # recomputed tile they hold in one block)
     "fp32patch-trl-strips": (_with_env(_ours(_trl_tile), FP32PATCH_STRIPS="1"), False),
     "fp32patch-recompute-strips": (_with_env(_ours(keep=False), FP32PATCH_STRIPS="1"), True),
+    "fp32patch-trl-passes": (_with_env(_ours(_trl_tile), FP32PATCH_STRIPS="0"), False),
+    "fp32patch-recompute-passes": (_with_env(_ours(keep=False), FP32PATCH_STRIPS="0"), True),
     "fp32out-unfused": (_unfused, True),
     # the default tile, the logits kept from the forward / computed again in the backward
     "fp32patch-keep": (_ours(keep=True), True),

@@ -7,13 +7,15 @@ tile's fp32 logits into two 16-bit copies of their gradient: fp16 scaled per voc
 for the weight gradient, bf16 for the input gradient. The scales need each entry's largest
 gradient before any copy is written, so the kernels read the tile twice: one pass over the
 whole tile for the maxima (atomics across row blocks), one more for the copies (``passes``).
-The strip kernel (``FP32PATCH_STRIPS=1``) computes the tile transposed and gives each program
-whole strips of entries: it reads its strips twice itself, soon after, or holds them in one
-block of tokens when a tile has few enough (``ONE_BLOCK``), and writes the scales with the
-copies (``strips BV,BT,WARPS``: entries a program, tokens a block, warps).
+The strip kernel computes the tile transposed and gives each program whole strips of entries:
+it reads its strips twice itself, soon after, or holds them in one block of tokens when a tile
+has few enough (``STRIP_ONE_BLOCK``; ``STRIP_LIGHT_BLOCK`` for a light launch, one gradient, no
+cap, one temperature, as here), and writes the scales with the copies (``strips BV,BT,WARPS``:
+entries a program, tokens a block, warps; ``FP32PATCH_STRIPS=1`` every tile, ``0`` none, unset
+the runtime's choice: ``default``).
 
 For each shape (a tile of ROWS tokens by ENTRIES vocabulary entries of a HIDDEN-wide head;
-the defaults are TRL's tiles at 0.5B/4k and 16k, 1.5B/4k, and the default tile of a 7B head),
+the defaults are TRL's tiles at 0.5B/4k, 8k and 16k, 1.5B/4k, and the default tile of a 7B head),
 it times, with CUDA events (median of 20 calls after 3):
 
 - ``convert``: the copies alone from a computed tile, each way, and the bandwidth it reaches
@@ -48,18 +50,19 @@ from fp32patch.runtime.trl.fused import tile as trl_tile  # noqa: E402
 
 TEMPERATURE = 0.7
 # (rows, hidden, entries): TRL's tiles of a 0.5B head (896 x 151,936) at 4k and 16k tokens, of a
-# 1.5B head (1536) at 4k, and choose_tiles' tile of a 7B head (3584 x 152,064) at 16k
+# 1.5B head (1536) at 4k, of the 0.5B head at 8k, and choose_tiles' tile of a 7B head (3584 x 152,064) at 16k
 SHAPES = [
     (4096, 896, trl_tile(4096, 151936, 896)[1]),
     (16384, 896, trl_tile(16384, 151936, 896)[1]),
     (4096, 1536, trl_tile(4096, 151936, 1536)[1]),
+    (8192, 896, trl_tile(8192, 151936, 896)[1]),
     (cl.choose_tiles(16384, 152064, 3584)[0], 3584, cl.choose_tiles(16384, 152064, 3584)[1]),
 ]
-# (entries a program, tokens a block, warps): one held block for tiles of up to 4,096 tokens,
+# (entries a program, tokens a block, warps): one held block (a tile of at most BT tokens),
 # strips read twice in blocks for taller ones
 CONFIGS = [
-    (1, 4096, 8), (1, 4096, 16), (2, 4096, 16), (4, 4096, 16),
-    (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (4, 2048, 8), (8, 1024, 8), (16, 512, 8),
+    (1, 4096, 8), (2, 4096, 16), (1, 8192, 16), (1, 16384, 32), (1, 16384, 16),
+    (4, 1024, 8), (8, 512, 8), (4, 2048, 8),
 ]  # fmt: skip
 # the same for a kept row-major tile: entries a program (a contiguous segment of each row), tokens a block
 ROW_CONFIGS = [(16, 128, 4), (32, 128, 8), (32, 256, 8), (64, 64, 8), (64, 128, 8), (128, 64, 8)]
@@ -119,13 +122,18 @@ def tile_backward(p: Problem, mode: str = "fp32out", kept: bool = False):
 
 
 class Env:
-    def __init__(self, **env: str) -> None:
+    """Environment variables set (None: unset) within, as they were after."""
+
+    def __init__(self, **env: str | None) -> None:
         self.env, self.old = env, {}
 
     def __enter__(self):
         for key, value in self.env.items():
             self.old[key] = os.environ.get(key)
-            os.environ[key] = value
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     def __exit__(self, *exc):
         for key, value in self.old.items():
@@ -167,7 +175,7 @@ def run_layout(k, p: Problem, kept: bool, configs: list, convert: dict, iters: i
     tile["bf16grad"] = {"ms": time_ms(lambda: tile_backward(p, "fp32out-bf16grad", kept), iters=iters)}
     for bv, bt, warps in configs:
         name = f"strips {bv},{bt},{warps}"
-        k.strip_shape = lambda n, tokens_contiguous=True, c=(bv, bt, warps): c
+        k.strip_shape = lambda n, tokens_contiguous=True, light=False, c=(bv, bt, warps): c
         got = strips_convert(k, p, tile_t, dtype)
         if not all(torch.equal(a, b) for a, b in zip(got, (ref[0], ref[1].t(), ref[2].t()), strict=True)):
             raise SystemExit(
@@ -180,7 +188,10 @@ def run_layout(k, p: Problem, kept: bool, configs: list, convert: dict, iters: i
     del k.strip_shape
     with Env(FP32PATCH_STRIPS="1"):
         ms = time_ms(lambda: tile_backward(p, kept=kept), iters=iters)
-    tile["strips (default)"] = {"ms": ms, "config": k.strip_shape(rows, tokens_contiguous=not kept)}
+    tile["strips (shape table)"] = {"ms": ms, "config": k.strip_shape(rows, tokens_contiguous=not kept, light=True)}
+    strip = cl.strips(k, rows, kept, p.plan, p.rows)
+    with Env(FP32PATCH_STRIPS=None):
+        tile["default"] = {"ms": time_ms(lambda: tile_backward(p, kept=kept), iters=iters), "strips": strip}
     return {"convert": convert, "tile": tile}
 
 
@@ -199,6 +210,8 @@ def report(results: dict) -> str:
                 copies = "" if "ms" not in c else f"{c['ms']:.3f}"
                 ratio = "" if "ms" not in c else f"{c['ms'] / base_c:.3f}"
                 rate = "" if "GB/s" not in c else f"{c['GB/s']:.0f}"
+                if name == "default":
+                    name = f"default ({'strips' if part['tile'][name]['strips'] else 'passes'})"
                 lines.append(f"  {name:<24} {copies:>10} {ratio:>9} {rate:>7} {t:>9.3f} {t / base_t:>9.3f}")
     return "\n".join(lines)
 

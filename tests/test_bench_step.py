@@ -33,7 +33,7 @@ def test_smoke_run_times_every_way_and_writes_the_tables(tmp_path, capsys) -> No
     ways = ["stock", "fp32patch", "fp32patch-recompute", "verl-fused", "trl-chunked", "fp32patch-trl"]
     ways += ["prime-rl-fused", "fp32patch-prime-rl", "skyrl-fused", "fp32patch-skyrl", "fp32patch-trl-bf16grad"]
     ways += ["fp32patch-trl-rows4k", "fp32patch-trl-bf16grad-rows4k", "fp32patch-trl-strips"]
-    ways += ["fp32patch-recompute-strips"]
+    ways += ["fp32patch-recompute-strips", "fp32patch-trl-passes", "fp32patch-recompute-passes"]
     try:
         assert step.main(["--cpu", "--models", *MODELS, "--tokens", "24", "--out", str(out), "--ways", *ways]) == 0
     finally:

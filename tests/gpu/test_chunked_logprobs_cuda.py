@@ -210,8 +210,11 @@ def test_the_kernels_tanh_is_fp32_grade_on_the_gpu():
 
 
 @pytest.mark.parametrize(
-    ("rows", "layout"), [(700, "computed"), (6000, "computed"), (700, "kept"), (6000, "kept")]
-)  # computed: one block of tokens held (<= 4096), or two reads of each strip; kept: row-major
+    ("rows", "layout"),
+    [(700, "computed"), (6000, "computed"), (12000, "computed"), (12000, "light"), (700, "kept"), (6000, "kept")],
+)  # computed: one block of tokens held (<= STRIP_ONE_BLOCK), or two reads of each strip (12,000
+# tokens, both gradients); light: the log-prob's gradient alone, held up to STRIP_LIGHT_BLOCK
+# with one temperature, read twice with one a row; kept: row-major
 @pytest.mark.parametrize(("temperature", "softcap"), [(0.7, None), ("rows", 10.0)])
 def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, layout, temperature, softcap):
     # the strips (FP32PATCH_STRIPS=1) against the two passes, on the compiled kernels and a
@@ -232,6 +235,8 @@ def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, layout, tempe
     ent = -(log_p.exp() * log_p).sum(-1).float()
     g_lp, g_ent = torch.randn(rows, device="cuda", generator=gen), torch.randn(rows, device="cuda", generator=gen)
     args = (targets, col0, temperature, log_z, ent, g_lp, g_ent * 0.1)
+    if layout == "light":
+        args = (targets, col0, temperature, log_z, None, g_lp, None)
     kernels = cl._TritonKernels.get()
     amax = torch.zeros(cols, device="cuda")
     kernels.grad(tile, *args, in_place=False, amax=amax, softcap=softcap)
@@ -248,6 +253,7 @@ def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, layout, tempe
         g16_t = torch.empty((cols, rows), dtype=torch.float16, device="cuda")
         plain_t = torch.empty((cols, rows), dtype=torch.bfloat16, device="cuda")
         assert (kernels.strip_shape(rows)[1] >= rows) == (rows <= cl._TritonKernels.STRIP_ONE_BLOCK)
+        assert (kernels.strip_shape(rows, light=True)[1] >= rows) == (rows <= cl._TritonKernels.STRIP_LIGHT_BLOCK)
     scale_t = torch.empty(cols, device="cuda")
     kernels.grad_strips(tile_t, *args, scale=scale_t, out16=g16_t, plain=plain_t, softcap=softcap)
     assert torch.equal(scale_t, scale)
@@ -255,9 +261,12 @@ def test_the_strip_kernel_gives_the_two_passes_bits_compiled(rows, layout, tempe
     assert torch.equal(plain_t, plain.t())
 
 
-@pytest.mark.parametrize("tiles", [(400, 6000), (4500, 6000), "kept"])
+@pytest.mark.parametrize("tiles", [(400, 6000), (4500, 6000), (4500, 6000, "blocks"), "kept"])
 def test_a_call_through_the_strips_gives_the_two_passes_numbers(monkeypatch, tiles):
     from fp32patch.runtime.kernels import chunked_logprobs as cl
+
+    if "blocks" in tiles:  # each strip read twice
+        monkeypatch.setattr(cl._TritonKernels, "STRIP_ONE_BLOCK", 2048)
 
     x, w, targets, grad = _problem(5, t=5000, v=16384)
     kw = (
@@ -277,6 +286,7 @@ def test_a_call_through_the_strips_gives_the_two_passes_numbers(monkeypatch, til
     (lp1, ent1, dx1, dw1), (lp2, ent2, dx2, dw2) = got
     assert torch.equal(lp1, lp2) and torch.equal(ent1, ent2)  # the forward is not the strips'
     # the same copies; the GEMMs take them transposed (their own summation orders, which may
-    # flip the bf16 rounding of a few input-gradient entries)
-    assert _rel(dw2, dw1) < 1e-6
+    # flip the bf16 rounding of a few input-gradient entries; on an H100 the fp32 main_grad of
+    # 4,500 tokens in two blocks of rows differed by 1.2e-6 of its largest)
+    assert _rel(dw2, dw1) < 1e-5
     assert _rel(dx2, dx1) < 1e-3 and (dx1 == dx2).float().mean() > 0.95

@@ -86,7 +86,8 @@ if TYPE_CHECKING:
 
 # "0" keeps the forward's tiles where the fused GEMM + logsumexp kernel would run (gemm_lse_triton)
 GEMM_LSE_ENV_VAR = "FP32PATCH_GEMM_LSE"
-# "1": fp32out's backward tiles through the strip kernel (``strips``)
+# fp32out's backward tiles through the strip kernel: "1" every one, "0" none (the two passes),
+# unset: those it was measured faster on (``strips``)
 STRIPS_ENV_VAR = "FP32PATCH_STRIPS"
 
 # Tile sizes measured on an H200 (bench/fused_logprobs.py, bench/RESULTS.md): tokens and
@@ -687,7 +688,8 @@ class _TritonKernels:
         assert out16.shape == tile_t.shape and (plain is None or plain.stride() == out16.stride())
         dummy = log_z
         scalar, temps, per_row = kernel_temperature(temperature, dummy)
-        bv, bt, warps = self.strip_shape(n_tokens, tokens_contiguous=tile_t.stride(1) == 1)
+        light = self.strip_light(temperature, softcap, grad_logp, grad_entropy)
+        bv, bt, warps = self.strip_shape(n_tokens, tokens_contiguous=tile_t.stride(1) == 1, light=light)
         self._strips[(self._cdiv(n_vocab, bv),)](
             tile_t, tile_t.stride(0), tile_t.stride(1), n_vocab, n_tokens, targets, col0, scalar, temps,
             1.0 if softcap is None else softcap, log_z,
@@ -700,26 +702,39 @@ class _TritonKernels:
             PHASES=1 if n_tokens <= bt else 2, BV=bv, BT=bt, num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
 
-    # Strips (not measured on a GPU yet: bench/strips.py sweeps them). A tile computed
-    # transposed (tokens contiguous): STRIP_BV entries a program in blocks of STRIP_BT tokens; a
-    # tile of at most STRIP_ONE_BLOCK tokens in one block, held while it is written, of
-    # STRIP_HELD values (entries x tokens) a program over STRIP_HELD_WARPS warps (two entries at
-    # 4,096 tokens: each program reads the per-token vectors, 16 bytes a token, once for its
-    # entries, so one entry a program would read four times its tile's bytes from L2). A kept
-    # row-major tile (entries contiguous): STRIP_ROW_BV entries a program (a row's segment of
-    # them contiguous) in blocks of STRIP_ROW_BT tokens, each strip read twice.
+    # Strips (bench/strips.py; bench/RESULTS.md, 2026-12-05). A tile computed transposed (tokens
+    # contiguous) of at most STRIP_ONE_BLOCK tokens is held in one block while it is written:
+    # STRIP_HELD values (entries x tokens) a program, or one entry's whole strip where that is
+    # more, STRIP_VALUES of them a thread (8 warps at 4,096 values, 32 at 16,384). ptxas keeps
+    # 8,192 tokens in registers in every flag combination, 16,384 (STRIP_LIGHT_BLOCK) only in the
+    # light ones (one gradient, no cap, one temperature: the others spill hundreds of bytes).
+    # Taller tiles: STRIP_BV entries a program in blocks of STRIP_BT tokens, each strip read
+    # twice. A kept row-major tile (entries contiguous): STRIP_ROW_BV entries a program (a row's
+    # segment of them contiguous) in blocks of STRIP_ROW_BT tokens, each strip read twice.
     STRIP_BV, STRIP_BT, STRIP_WARPS = 4, 1024, 8
-    STRIP_ONE_BLOCK, STRIP_HELD, STRIP_HELD_WARPS = 4096, 8192, 16
+    STRIP_ONE_BLOCK, STRIP_LIGHT_BLOCK, STRIP_HELD, STRIP_VALUES = 8192, 16384, 4096, 16
     STRIP_ROW_BV, STRIP_ROW_BT, STRIP_ROW_WARPS = 32, 128, 8
 
-    def strip_shape(self, n_tokens: int, tokens_contiguous: bool = True) -> tuple[int, int, int]:
-        """(entries a program, tokens a block, warps) for a tile of ``n_tokens`` tokens."""
+    def strip_shape(self, n_tokens: int, tokens_contiguous: bool = True, light: bool = False) -> tuple[int, int, int]:
+        """(entries a program, tokens a block, warps) for a tile of ``n_tokens`` tokens;
+        ``light``: one gradient, no cap, one temperature (taller tiles are held)."""
         if not tokens_contiguous:
             return self.STRIP_ROW_BV, self.STRIP_ROW_BT, self.STRIP_ROW_WARPS
-        if n_tokens <= self.STRIP_ONE_BLOCK:
+        if self.strip_holds(n_tokens, light):
             bt = max(16, 1 << (n_tokens - 1).bit_length())
-            return max(1, self.STRIP_HELD // bt), bt, self.STRIP_HELD_WARPS
+            bv = max(1, self.STRIP_HELD // bt)
+            return bv, bt, max(1, min(32, bv * bt // (32 * self.STRIP_VALUES)))
         return self.STRIP_BV, self.STRIP_BT, self.STRIP_WARPS
+
+    def strip_holds(self, n_tokens: int, light: bool) -> bool:
+        """Whether a computed tile's strips of ``n_tokens`` tokens are held in one block."""
+        return n_tokens <= (self.STRIP_LIGHT_BLOCK if light else self.STRIP_ONE_BLOCK)
+
+    @staticmethod
+    def strip_light(temperature, softcap, grad_logp, grad_entropy) -> bool:
+        """Whether a strip launch is light (``strip_shape``): one temperature, no cap, one of
+        the two gradients."""
+        return isinstance(temperature, (int, float)) and softcap is None and (grad_logp is None or grad_entropy is None)
 
 
 # ---------------------------------------------------------------- the passes
@@ -894,7 +909,7 @@ def _tile_backward(
     kernels = _triton(block)
     fused = kernels is not None and plan.mode in _FUSED_MODES and block.dtype in (torch.bfloat16, torch.float16)
     scaled = plan.mode == "fp32out" and want_dw
-    if fused and scaled and strips():
+    if fused and scaled and strips(kernels, xr.shape[0], kept is not None, plan, rows):
         return _strip_backward(plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled, kept)
     tile = kept if kept is not None else _fwd_mm(plan.mode, xr, block)
     if not fused:
@@ -925,10 +940,19 @@ def _tile_backward(
     return acc
 
 
-def strips() -> bool:
-    """Whether fp32out's backward tiles take the strip kernel (``FP32PATCH_STRIPS=1``): off
-    until measured on a GPU against the two passes (bench/strips.py)."""
-    return os.environ.get(STRIPS_ENV_VAR, "0") == "1"
+def strips(kernels, n_tokens: int, kept: bool, plan: _Plan, rows: _RowGrads) -> bool:
+    """Whether an fp32out backward tile of ``n_tokens`` tokens takes the strip kernel:
+    ``FP32PATCH_STRIPS=1`` every one, ``0`` none; by default a tile computed again whose strips
+    the kernel holds in one block (bench/strips.py on an H100, 2026-12-05: 0.81-0.85x the two
+    passes' tile backward at 4,096 tokens; a strip read twice, or a kept row-major tile read
+    through its transposed view, was no faster than the passes or slower)."""
+    value = os.environ.get(STRIPS_ENV_VAR)
+    if value in ("0", "1"):
+        return value == "1"
+    if kept:
+        return False
+    light = kernels.strip_light(rows.temperature, plan.softcap, rows.grad_logp, rows.grad_entropy)
+    return kernels.strip_holds(n_tokens, light)
 
 
 def _strip_backward(plan: _Plan, kernels, xr, block, args, dx_rows, acc, dw_dtype, x_scaled, kept=None):

@@ -324,6 +324,7 @@ def test_whole_call_through_the_strips_gives_the_two_passes_numbers(calls, monke
     kw = dict(mode="fp32out", temperature=temps)
     kw.update(keep_logits=True) if tiles == "kept" else kw.update(keep_logits=False, chunk_rows=40, chunk_vocab=256)
     n = 1 if tiles == "kept" else 9  # tiles a backward
+    monkeypatch.setenv(cl.STRIPS_ENV_VAR, "0")
     passes = _step(x, w, targets, grad, main_grad=main_grad, **kw)
     steps = 2 if main_grad else 1
     assert (calls["grad"], calls["strips"]) == (steps * 2 * n, 0)
@@ -343,6 +344,39 @@ def test_whole_call_through_the_strips_gives_the_two_passes_numbers(calls, monke
     ref = _float64(x, w, targets, grad, temps)
     for name, a, r in zip(names, strip, ref, strict=True):
         _close(a, r, {"log-probs": 1e-6, "entropy": 3e-6}.get(name, 1e-3), f"{name} against float64")
+
+
+@only_interpreted
+@pytest.mark.parametrize(
+    ("env", "tiles", "grads", "strips"),
+    [
+        (None, "40 rows", "logp", True),  # held: at most STRIP_ONE_BLOCK tokens
+        (None, "48 rows", "logp", True),  # held: a light launch, at most STRIP_LIGHT_BLOCK
+        (None, "48 rows", "both", False),  # not light: a strip would be read twice
+        (None, "kept", "logp", False),  # a kept row-major tile: the passes
+        ("1", "48 rows", "both", True),
+        ("1", "kept", "logp", True),
+        ("0", "40 rows", "logp", False),
+    ],
+)
+def test_by_default_the_strips_take_the_recomputed_tiles_they_hold(calls, monkeypatch, env, tiles, grads, strips):
+    x, w, targets, grad = _problem(13)
+    monkeypatch.setattr(cl._TritonKernels, "STRIP_ONE_BLOCK", 40)
+    monkeypatch.setattr(cl._TritonKernels, "STRIP_LIGHT_BLOCK", 48)
+    if env is not None:
+        monkeypatch.setenv(cl.STRIPS_ENV_VAR, env)
+    kw = dict(mode="fp32out", temperature=0.7, entropy=grads == "both")
+    if tiles == "kept":
+        kw.update(keep_logits=True)
+    else:
+        kw.update(keep_logits=False, chunk_rows=int(tiles.split()[0]), chunk_vocab=256)
+    xl = x.clone().requires_grad_()
+    wl = torch.nn.Parameter(w.clone())
+    out = cl.chunked_logprobs(xl, wl, targets, **kw)
+    lp, ent = out if grads == "both" else (out, None)
+    loss = (lp * grad).sum() + (0.0 if ent is None else 0.1 * ent.sum())
+    loss.backward()
+    assert (calls["strips"] > 0, calls["grad"] > 0) == (strips, not strips)
 
 
 @only_interpreted
@@ -439,8 +473,12 @@ def test_whole_call_on_the_cuda_path_gives_the_cpu_paths_numbers(calls, monkeypa
     steps = 2 if main_grad else 1
     assert calls["gemm_lse"] == steps * (3 if recompute_fwd else 0)  # one launch per block of rows
     assert calls["fold"] == steps * (0 if recompute_fwd else 1)  # kept: one whole-vocabulary tile
-    passes = 2 if mode == "fp32out" else 1  # fp32out: the column maxima, then the copies
+    # fp32out: a recomputed tile through the strip kernel (one launch: it holds these tiles), a
+    # kept one through the two passes (the column maxima, then the copies)
+    strip = mode == "fp32out" and recompute_fwd
+    passes = 0 if strip else 2 if mode == "fp32out" else 1
     assert calls["grad"] == steps * passes * (1 if tiles == "kept" else 9)
+    assert calls["strips"] == steps * (9 if strip else 0)
     _eager(monkeypatch)
     cpu_path = _step(x, w, targets, grad, main_grad=main_grad, **kw)
     lp64, ent64, dx64, dw64 = _float64(x, w, targets, grad, 0.7)
@@ -477,7 +515,8 @@ def test_whole_call_with_per_token_temperatures_and_a_cap_stays_on_the_kernels(c
     cuda_path = _step(x, w, targets, grad, main_grad=False, **kw)
     assert calls["gemm_lse"] == (3 if tiles == "recomputed" else 0)
     assert calls["fold"] == (0 if tiles == "recomputed" else 1)
-    assert calls["grad"] == 2 * (9 if tiles == "recomputed" else 1)
+    # (recomputed: the strip kernel holds these tiles, cap and all)
+    assert (calls["grad"], calls["strips"]) == ((0, 9) if tiles == "recomputed" else (2, 0))
     _eager(monkeypatch)
     cpu_path = _step(x, w, targets, grad, main_grad=False, **kw)
     ref = _float64(x, w, targets, grad, temps, softcap=5.0)
@@ -536,8 +575,11 @@ def test_the_strips_benchmark_runs_and_checks_its_copies(calls):
     (shape,) = results["shapes"]
     assert shape["shape"] == [40, 32, 300]
     computed, kept = shape["computed"], shape["kept"]
-    assert set(computed["tile"]) == {"passes", "bf16grad", "strips 8,64,4", "strips 16,16,4", "strips (default)"}
-    assert set(kept["tile"]) == {"passes", "bf16grad", "strips 64,16,4", "strips (default)"}
+    table = {"passes", "bf16grad", "strips (shape table)", "default"}
+    assert set(computed["tile"]) == table | {"strips 8,64,4", "strips 16,16,4"}
+    assert set(kept["tile"]) == table | {"strips 64,16,4"}
+    # the runtime's own choice: the strips for a computed tile they hold, the passes for a kept one
+    assert computed["tile"]["default"]["strips"] and not kept["tile"]["default"]["strips"]
     assert computed["convert"]["strips 8,64,4"]["one_block"] and not computed["convert"]["strips 16,16,4"]["one_block"]
     assert all(r["ms"] > 0 for part in (computed, kept) for r in part["tile"].values())
     assert calls["strips"] >= 6 and calls["grad"] >= 8

@@ -105,21 +105,30 @@ def _flag_sets():
 @pytest.mark.parametrize("layout", ["computed", "kept"])
 def test_the_strip_kernel_compiles_at_its_default_shapes_without_spills(kernels, layout):
     contiguous = layout == "computed"
-    # (shape, passes) at 700 tokens (one held block of 1,024), 4,096 (one of 4,096), 16,384 (blocks)
+    # (shape, passes) at 700 tokens (one held block of 1,024), 4,096 and 8,192 (one held block),
+    # 16,384 (one held block for a light launch: one gradient, no cap, one temperature; blocks
+    # read twice for the others)
     launches = set()
-    for n in (700, 4096, 16384):
-        bv, bt, warps = kernels.strip_shape(n, tokens_contiguous=contiguous)
-        launches.add((bv, bt, warps, 1 if n <= bt else 2))
-    assert len(launches) == (3 if contiguous else 1)
-    for (bv, bt, warps, phases), flags, plain in itertools.product(launches, _flag_sets(), (False, True)):
-        values = {**flags, "PLAIN": plain, "PHASES": phases, "BV": bv, "BT": bt}
+    for flags in _flag_sets():
+        light = kernels.strip_light(
+            0.7 if not flags["ROW_TEMPS"] else None, 5.0 if flags["CAPPED"] else None,
+            True if flags["LOGP_GRAD"] else None, True if flags["ENTROPY_GRAD"] else None,
+        )  # fmt: skip
+        for n in (700, 4096, 8192, 16384):
+            bv, bt, warps = kernels.strip_shape(n, tokens_contiguous=contiguous, light=light)
+            launches.add((bv, bt, warps, 1 if n <= bt else 2, tuple(flags.items())))
+    shapes = {launch[:4] for launch in launches}
+    assert len(shapes) == (5 if contiguous else 1), shapes
+    for (bv, bt, warps, phases, flags), plain in itertools.product(launches, (False, True)):
+        values = {**dict(flags), "PLAIN": plain, "PHASES": phases, "BV": bv, "BT": bt}
         got = _compile(kernels._strips, values, warps, unit=("s_t", "o_t") if contiguous else ("s_v", "o_v"))
         assert "st.global" in got["ptx"]
         if got["spills"] is not None:
             # (one combination, a temperature per row with the entropy's gradient alone, spills
-            # 8 bytes at 64 registers with Triton 3.9: ptxas' own choice; a blow-up spills hundreds)
+            # 8 bytes at 64 registers with Triton 3.9: ptxas' own choice; a blow-up spills hundreds,
+            # as 16,384 tokens held do in any launch but a light one)
             assert got["spills"] <= 16, (
-                f"{layout} {(bv, bt, warps, phases)} {flags} plain={plain}: {got['registers']} registers, {got['spills']} bytes spilled"
+                f"{layout} {(bv, bt, warps, phases)} {dict(flags)} plain={plain}: {got['registers']} registers, {got['spills']} bytes spilled"
             )
 
 
