@@ -27,7 +27,8 @@
 # the seventh (7) SkyRL's fused path at 1.5B and 7B; the eighth (8) its 7B/1k cell again; the
 # ninth (9) what issue 44 still waits for (the stock pair paired at 4k, 7B at 64k on an H200); the
 # tenth (10) the strip kernel for fp32out's recomputed tiles (its tests, its shapes, TRL's pair);
-# the eleventh (11) the strips as the default for the recomputed tiles they hold in one block.
+# the eleventh (11) the strips as the default for the recomputed tiles they hold in one block; the
+# twelfth (12) the CUDA tests with that default, then 7B at 64k on an H200 (the short pairs on an H100).
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -54,6 +55,17 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 12 ]; then
+    part gpu-tests 170 python -m pytest -q -p no:cacheprovider tests/gpu
+    if [ "$TAG" = h200 ]; then  # an 80 GB card does not hold it (round 3)
+        part big 220 python bench/step.py --models 7B-untied --tokens 65536 --entropy off --rounds 2 \
+            --ways fp32patch stock --out "$WORK/step-7b-64k-$TAG.json"
+    else
+        part short 150 python bench/step.py --models 0.5B-tied --tokens 1024 --entropy off --per-round 1 --rounds 30 \
+            --ways trl-chunked fp32patch-trl skyrl-fused fp32patch-skyrl --out "$WORK/step-short-$TAG.json"
+    fi
+    exit 0
+fi
 if [ "$ROUND" = 11 ]; then
     # round 10 (H100): the strips won where a tile of at most 4,096 tokens was held (0.81-0.85x
     # the passes' tile backward) and lost or tied elsewhere; now they hold up to 8,192 tokens (16
