@@ -62,16 +62,29 @@ def test_a_short_steps_launches_and_added_operations():
     assert "| tiny-tied | 40 | off |" in table and "0 → 7" in table
 
 
-def test_recomputed_blocks_make_the_rows_fp16_copy_once_and_their_scales_in_one_launch():
-    # the recomputing way over several vocabulary blocks of one tile of rows: per block, two
-    # gradient passes, the scales and the unscaling (x's scales and copy once for all blocks)
+@pytest.mark.parametrize("strips", [None, "0"])
+def test_recomputed_blocks_make_the_rows_fp16_copy_once_and_their_scales_in_one_launch(monkeypatch, strips):
+    # the recomputing way over several vocabulary blocks of one tile of rows: per block, the
+    # strip kernel (the default for a tile it holds: its scales and copies in one launch) or the
+    # two gradient passes and the scales, then the unscaling (x's scales and copy once for all)
+    from fp32patch.runtime.kernels import chunked_logprobs as cl
+
+    if strips is None:
+        monkeypatch.delenv(cl.STRIPS_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(cl.STRIPS_ENV_VAR, strips)
     results = step_counts.run(["tiny-tied"], [40], ["fp32patch@40,64"], [False])
     (cell,) = results["cells"]
     launches = cell["ways"]["fp32patch@40,64"]["launches"]
     blocks = -(-step.MODELS["tiny-tied"]["vocab"] // 64)
     assert blocks > 2
-    assert launches["grad_kernel"] == 2 * blocks and launches["unscale_kernel"] == blocks
-    assert launches["scales_kernel"] == blocks + 1 and launches["convert_kernel"] == 1
+    assert launches["unscale_kernel"] == blocks and launches["convert_kernel"] == 1
+    if strips is None:
+        assert launches["strip_kernel"] == blocks and "grad_kernel" not in launches
+        assert launches["scales_kernel"] == 1
+    else:
+        assert launches["grad_kernel"] == 2 * blocks and "strip_kernel" not in launches
+        assert launches["scales_kernel"] == blocks + 1
 
 
 def test_counting_stops_above_the_asked_length():
