@@ -943,9 +943,10 @@ def _tile_backward(
 def strips(kernels, n_tokens: int, kept: bool, plan: _Plan, rows: _RowGrads) -> bool:
     """Whether an fp32out backward tile of ``n_tokens`` tokens takes the strip kernel:
     ``FP32PATCH_STRIPS=1`` every one, ``0`` none; by default a tile computed again whose strips
-    the kernel holds in one block (bench/strips.py on an H100, 2026-12-05: 0.81-0.85x the two
-    passes' tile backward at 4,096 tokens; a strip read twice, or a kept row-major tile read
-    through its transposed view, was no faster than the passes or slower)."""
+    the kernel holds in one block (bench/strips.py on an H100, 2026-12-05: its copies 0.56-0.73x
+    the two passes' time, the tile's whole backward 0.80-0.97x, at 4,096-16,384 tokens; a strip
+    read twice, or a kept row-major tile read through its transposed view, was no faster than
+    the passes or slower)."""
     value = os.environ.get(STRIPS_ENV_VAR)
     if value in ("0", "1"):
         return value == "1"
