@@ -594,3 +594,34 @@ def test_which_calls_keep_their_logits(monkeypatch):
     monkeypatch.delenv(module.KEEP_LOGITS_ENV_VAR)
     with pytest.raises(TypeError, match="keep_logits must be None, True or False, not 1"):
         plan(keep_logits=1)
+
+
+@pytest.mark.parametrize("name", ["FP32PATCH_TRITON", "FP32PATCH_GEMM_LSE", "FP32PATCH_STRIPS"])
+def test_the_kernels_switches_take_0_or_1_and_refuse_anything_else(monkeypatch, name):
+    from fp32patch.runtime.errors import Fp32LmHeadConfigError
+    from fp32patch.runtime.kernels import chunked_logprobs, fp32out
+
+    assert name in (fp32out.TRITON_ENV_VAR, chunked_logprobs.GEMM_LSE_ENV_VAR, chunked_logprobs.STRIPS_ENV_VAR)
+    monkeypatch.delenv(name, raising=False)
+    assert fp32out.env_switch(name) is None  # unset: the measured default
+    for value, want in (("", None), (" 1 ", True), ("0", False), ("1", True)):
+        monkeypatch.setenv(name, value)
+        assert fp32out.env_switch(name) is want
+    for value in ("true", "off", "2", "yes"):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(Fp32LmHeadConfigError, match=f"^{name}='{value}': expected 0 or 1, or unset"):
+            fp32out.env_switch(name)
+
+
+def test_a_bad_triton_switch_is_refused_where_the_kernels_would_run(monkeypatch):
+    # the CPU path never reads it; on a device the Triton kernels take (the CPU stands in: the
+    # switch is read before any kernel), a mistyped FP32PATCH_TRITON is refused, naming it,
+    # instead of meaning the default
+    from fp32patch.runtime.errors import Fp32LmHeadConfigError
+    from fp32patch.runtime.kernels import fp32out
+
+    monkeypatch.setenv(fp32out.TRITON_ENV_VAR, "false")
+    assert not fp32out.triton_device(torch.zeros(1))
+    monkeypatch.setattr(fp32out, "TRITON_DEVICE_TYPES", {"cuda", "cpu"})
+    with pytest.raises(Fp32LmHeadConfigError, match="FP32PATCH_TRITON='false'"):
+        fp32out.triton_device(torch.zeros(1))

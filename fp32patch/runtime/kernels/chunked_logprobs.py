@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fp32patch.runtime.kernels import triton_logits  # noqa: F401  (read by the kernels: triton_logits.logits)
-from fp32patch.runtime.kernels.fp32out import triton_device
+from fp32patch.runtime.kernels.fp32out import env_switch, triton_device
 from fp32patch.runtime.kernels.gemm_lse_triton import kernel_temperature
 from fp32patch.runtime.kernels.lm_head_gemm import (
     _UPCAST_MODES,
@@ -780,7 +780,7 @@ def _gemm_lse(plan: _Plan, x: torch.Tensor, weight: torch.Tensor) -> Any:
     modes, whose forward is the fp32-output GEMM, on a GPU and operands it takes, Triton not
     switched off: ``FP32PATCH_TRITON=0``, or ``FP32PATCH_GEMM_LSE=0`` for this kernel alone), else
     None: then the tiles are written and folded."""
-    if plan.mode in _UPCAST_MODES or not triton_device(x) or os.environ.get(GEMM_LSE_ENV_VAR, "1") == "0":
+    if plan.mode in _UPCAST_MODES or not triton_device(x) or env_switch(GEMM_LSE_ENV_VAR) is False:
         return None
     from fp32patch.runtime.kernels import gemm_lse_triton
 
@@ -947,9 +947,9 @@ def strips(kernels, n_tokens: int, kept: bool, plan: _Plan, rows: _RowGrads) -> 
     the two passes' time, the tile's whole backward 0.80-0.97x, at 4,096-16,384 tokens; a strip
     read twice, or a kept row-major tile read through its transposed view, was no faster than
     the passes or slower)."""
-    value = os.environ.get(STRIPS_ENV_VAR)
-    if value in ("0", "1"):
-        return value == "1"
+    forced = env_switch(STRIPS_ENV_VAR)
+    if forced is not None:
+        return forced
     if kept:
         return False
     light = kernels.strip_light(rows.temperature, plan.softcap, rows.grad_logp, rows.grad_entropy)

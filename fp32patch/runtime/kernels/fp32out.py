@@ -104,10 +104,22 @@ TRITON_ENV_VAR = "FP32PATCH_TRITON"
 TRITON_DEVICE_TYPES = {"cuda"}
 
 
+def env_switch(name: str) -> bool | None:
+    """The kernels' switch ``name`` in the environment: True for "1", False for "0", None when
+    unset or empty (the measured default). Anything else is refused, naming the variable: a
+    "true" or "off" must not quietly mean the default."""
+    value = os.environ.get(name, "").strip()
+    if value in ("", "0", "1"):
+        return None if not value else value == "1"
+    from fp32patch.runtime.errors import Fp32LmHeadConfigError
+
+    raise Fp32LmHeadConfigError(f"{name}={value!r}: expected 0 or 1, or unset for the default (docs/runtime.md)")
+
+
 def triton_device(t: torch.Tensor) -> bool:
     """Whether the Triton kernels may take ``t``: a device they run on, Triton not switched off
     (``FP32PATCH_TRITON=0``). Every choice between a Triton path and the eager one asks this."""
-    return t.device.type in TRITON_DEVICE_TYPES and os.environ.get(TRITON_ENV_VAR, "1") != "0"
+    return t.device.type in TRITON_DEVICE_TYPES and env_switch(TRITON_ENV_VAR) is not False
 
 
 def _triton_kernels(a: torch.Tensor) -> Any:
