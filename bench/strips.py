@@ -188,9 +188,11 @@ def run_layout(k, p: Problem, kept: bool, configs: list, convert: dict, iters: i
     del k.strip_shape
     with Env(FP32PATCH_STRIPS="1"):
         ms = time_ms(lambda: tile_backward(p, kept=kept), iters=iters)
-    tile["strips (shape table)"] = {"ms": ms, "config": k.strip_shape(rows, tokens_contiguous=not kept, light=True)}
-    strip = cl.strips(k, rows, kept, p.plan, p.rows)
-    with Env(FP32PATCH_STRIPS=None):
+    r = p.rows
+    light = k.strip_light(r.temperature, p.plan.softcap, r.grad_logp, r.grad_entropy)
+    tile["strips (shape table)"] = {"ms": ms, "config": k.strip_shape(rows, tokens_contiguous=not kept, light=light)}
+    with Env(FP32PATCH_STRIPS=None):  # the runtime's choice, whatever the caller's environment says
+        strip = cl.strips(k, rows, kept, p.plan, r)
         tile["default"] = {"ms": time_ms(lambda: tile_backward(p, kept=kept), iters=iters), "strips": strip}
     return {"convert": convert, "tile": tile}
 
