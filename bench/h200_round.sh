@@ -28,7 +28,9 @@
 # ninth (9) what issue 44 still waits for (the stock pair paired at 4k, 7B at 64k on an H200); the
 # tenth (10) the strip kernel for fp32out's recomputed tiles (its tests, its shapes, TRL's pair);
 # the eleventh (11) the strips as the default for the recomputed tiles they hold in one block; the
-# twelfth (12) the CUDA tests with that default, then 7B at 64k on an H200 (the short pairs on an H100).
+# twelfth (12) the CUDA tests with that default, then 7B at 64k on an H200 (the short pairs on an H100);
+# the thirteenth (13) the cells nearest 1.02x again on the issue's card (an H200): every stack's pair
+# at 0.5B and 1,024 tokens, TRL's at 4k/16k/64k with the strips, the stock pair at 1.5B/4k.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -55,6 +57,16 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 25 "$WORK/$name.log"
     pack
 }
+if [ "$ROUND" = 13 ]; then
+    part pairs-1k 210 python bench/step.py --models 0.5B-tied --tokens 1024 --entropy off --per-round 1 --rounds 30 \
+        --ways stock fp32patch trl-chunked fp32patch-trl skyrl-fused fp32patch-skyrl nemo-fused fp32patch-recompute \
+        verl-fused prime-rl-fused fp32patch-prime-rl --out "$WORK/step-pairs-1k-$TAG.json"
+    part trl 190 python bench/step.py --models 0.5B-tied --tokens 4096 16384 65536 --entropy off --per-round 1 \
+        --rounds 16 --ways trl-chunked fp32patch-trl --out "$WORK/step-trl-$TAG.json"
+    part stock-4k 120 python bench/step.py --models 1.5B-untied --tokens 4096 --entropy off on --per-round 1 \
+        --rounds 16 --ways stock fp32patch --out "$WORK/step-stock-4k-$TAG.json"
+    exit 0
+fi
 if [ "$ROUND" = 12 ]; then
     part gpu-tests 170 python -m pytest -q -p no:cacheprovider tests/gpu
     if [ "$TAG" = h200 ]; then  # an 80 GB card does not hold it (round 3)
