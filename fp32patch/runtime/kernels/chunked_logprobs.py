@@ -960,11 +960,13 @@ def _strip_backward(plan: _Plan, kernels, xr, block, args, dx_rows, acc, dw_dtyp
     """``_tile_backward`` in fp32out through the strip kernel, which gives each program whole
     vocabulary entries: their largest gradient, scale and 16-bit copies from one launch, where
     the two passes take three (the maxima, the scales, the copies), and each entry's strip read
-    twice by the program that owns it rather than by two passes over the whole tile; the same
-    bits as the passes. A recomputed tile is computed transposed ([block, rows], ``block @
-    xr.T``: each entry's strip contiguous), its copies laid out so, as the weight gradient's GEMM
-    takes its operand (the input gradient's takes a transposed view); a kept tile ([rows,
-    block], read not written) is read through its transposed view, its copies laid out as it."""
+    twice by the program that owns it rather than by two passes over the whole tile; the
+    passes' bits for the same tile. A recomputed tile is computed transposed ([block, rows],
+    ``block @ xr.T``: each entry's strip contiguous; a GEMM with its own fp32 summation order, so
+    a few of its copies round the other way from the passes' recompute), its copies laid out so,
+    as the weight gradient's GEMM takes its operand (the input gradient's takes a transposed
+    view); a kept tile ([rows, block], read not written) is read through its transposed view,
+    its copies laid out as it."""
     tile_t = _fwd_mm(plan.mode, block, xr) if kept is None else kept.t()
     scale, g16, plain = strip_copies(kernels, tile_t, args, None if dx_rows is None else block.dtype, plan.softcap)
     del tile_t
