@@ -123,10 +123,13 @@ def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperat
     # of entries equal; main_grad 9e-5 apart). Each is held to float64 instead: no further from
     # it than the eager path's own rounding puts that (there: the same to 0.1% and 0.5%).
     assert torch.equal(default[0], triton[0]) and torch.equal(default[1], triton[1])  # not the strips'
-    dx64, dw64 = _grads64(x, w, targets, grad, temperature, softcap)
-    assert _rel(default[2], dx64) < 1.02 * _rel(eager[2], dx64)
-    assert _rel(default[3], dw64) < 1.02 * _rel(eager[3], dw64)
-    assert _rel(default[2], triton[2]) < 1e-3 and _rel(default[3], triton[3]) < 3e-4
+    if mode == "fp32out":
+        dx64, dw64 = _grads64(x, w, targets, grad, temperature, softcap)
+        assert _rel(default[2], dx64) < 1.02 * _rel(eager[2], dx64)
+        assert _rel(default[3], dw64) < 1.02 * _rel(eager[3], dw64)
+        assert _rel(default[2], triton[2]) < 1e-3 and _rel(default[3], triton[3]) < 3e-4
+    else:  # the strips are fp32out's only: the default is the passes, held as they are
+        assert _rel(default[2], eager[2]) < 1e-4 and _rel(default[3], eager[3]) < 5e-5
     if softcap is not None:  # and fp32 grade against float64 through the cap
         x64 = x.double()
         z = torch.tanh((x64 @ w.double().t()) / softcap) * softcap / temperature.double()[:, None]
