@@ -23,35 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import lm_head  # noqa: E402
 from fp32patch.runtime.kernels.chunked_logprobs import STRIPS_ENV_VAR, chunked_logprobs  # noqa: E402
 from fp32patch.runtime.kernels.fp32out import TRITON_ENV_VAR  # noqa: E402
-
-T, H, V = 1000, 1024, 32768
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def problem(seed=1):
-    x, w = lm_head.inputs(T, H, V, seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    log_p64 = torch.log_softmax(x.double() @ w.double().t(), -1)
-    targets = torch.multinomial(log_p64.exp(), 1, generator=gen)[:, 0]
-    return x, w, targets, torch.randn(T, device="cuda", generator=gen)
-
-
-def grads64(x, w, targets, grad, temperature, softcap):
-    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    z = x64 @ w64.t()
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    t = temperature.double()[:, None] if torch.is_tensor(temperature) else temperature
-    log_p = torch.log_softmax(z / t, -1)
-    lp, ent = log_p.gather(1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
-    ((lp * grad.double()).sum() + (ent * grad.double() * 0.1).sum()).backward()
-    return x64.grad, w64.grad
+from tests.gpu.test_chunked_logprobs_cuda import T, _float64, _problem, _rel  # noqa: E402  (the test's problem)
 
 
 def call(x, w, targets, grad, env, **kw):
@@ -66,7 +40,7 @@ def call(x, w, targets, grad, env, **kw):
 
 
 def main() -> None:
-    x, w, targets, grad = problem()
+    x, w, targets, grad = _problem(1)
     temps = 0.5 + torch.rand(T, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
     print(
         "| mode | temperature, cap | dx default-eager (equal) | dx passes-eager (equal) | dx vs float64: default / passes / eager | main_grad vs float64: default / passes / eager |"
@@ -78,7 +52,7 @@ def main() -> None:
         (temps, None, "per token"),
         (temps, 10.0, "per token, cap 10"),
     ):
-        dx64, dw64 = grads64(x, w, targets, grad, temperature, softcap)
+        _, _, dx64, dw64 = _float64(x, w, targets, grad, temperature, softcap, entropy_weight=0.1)
         for mode in ("fp32out", "fp32out-bf16grad"):
             kw = dict(mode=mode, temperature=temperature, softcap=softcap)
             d = call(x, w, targets, grad, {}, **kw)
@@ -89,12 +63,12 @@ def main() -> None:
                 return f"{(a == b).float().mean().item():.1%}"
 
             print(
-                f"| {mode} | {name} | {rel(d[0], e[0]):.2e} ({eq(d[0], e[0])}) | {rel(p[0], e[0]):.2e} ({eq(p[0], e[0])}) "
-                f"| {rel(d[0], dx64):.3e} / {rel(p[0], dx64):.3e} / {rel(e[0], dx64):.3e} "
-                f"| {rel(d[1], dw64):.3e} / {rel(p[1], dw64):.3e} / {rel(e[1], dw64):.3e} |",
+                f"| {mode} | {name} | {_rel(d[0], e[0]):.2e} ({eq(d[0], e[0])}) | {_rel(p[0], e[0]):.2e} ({eq(p[0], e[0])}) "
+                f"| {_rel(d[0], dx64):.3e} / {_rel(p[0], dx64):.3e} / {_rel(e[0], dx64):.3e} "
+                f"| {_rel(d[1], dw64):.3e} / {_rel(p[1], dw64):.3e} / {_rel(e[1], dw64):.3e} |",
                 flush=True,
             )
-    print(f"(the float64 input gradient's own bf16 rounding: {rel(dx64.bfloat16(), dx64):.3e})")
+    print(f"(the float64 input gradient's own bf16 rounding: {_rel(dx64.bfloat16(), dx64):.3e})")
 
 
 if __name__ == "__main__":

@@ -39,19 +39,9 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _float64(x, w, targets, grad, temperature=1.0):
-    x64 = x.double().requires_grad_()
-    w64 = w.double().requires_grad_()
-    log_p = torch.log_softmax((x64 @ w64.t()) / temperature, -1)
-    lp = log_p.gather(1, targets[:, None])[:, 0]
-    ent = -(log_p.exp() * log_p).sum(-1)
-    (lp * grad.double()).sum().backward()
-    return lp.detach(), ent.detach(), x64.grad, w64.grad
-
-
-def _grads64(x, w, targets, grad, temperature, softcap):
-    """The float64 input and weight gradients of the Triton test's loss (log-probs and 0.1 x
-    the entropy, weighted by ``grad``)."""
+def _float64(x, w, targets, grad, temperature=1.0, softcap=None, entropy_weight=0.0):
+    """Log-probs, entropy, and the input and weight gradients of ``sum(grad * (log p +
+    entropy_weight * entropy))``, in float64; ``temperature`` a number or one per token."""
     x64 = x.double().requires_grad_()
     w64 = w.double().requires_grad_()
     z = x64 @ w64.t()
@@ -61,8 +51,11 @@ def _grads64(x, w, targets, grad, temperature, softcap):
     log_p = torch.log_softmax(z / t, -1)
     lp = log_p.gather(1, targets[:, None])[:, 0]
     ent = -(log_p.exp() * log_p).sum(-1)
-    ((lp * grad.double()).sum() + (ent * grad.double() * 0.1).sum()).backward()
-    return x64.grad, w64.grad
+    loss = (lp * grad.double()).sum()
+    if entropy_weight:
+        loss = loss + (ent * grad.double() * entropy_weight).sum()
+    loss.backward()
+    return lp.detach(), ent.detach(), x64.grad, w64.grad
 
 
 def test_tiles_come_from_the_out_dtype_gemm_without_a_weight_copy():
@@ -124,7 +117,7 @@ def test_triton_kernels_give_the_torch_steps_numbers(monkeypatch, mode, temperat
     # it than the eager path's own rounding puts that (there: the same to 0.1% and 0.5%).
     assert torch.equal(default[0], triton[0]) and torch.equal(default[1], triton[1])  # not the strips'
     if mode == "fp32out":
-        dx64, dw64 = _grads64(x, w, targets, grad, temperature, softcap)
+        _, _, dx64, dw64 = _float64(x, w, targets, grad, temperature, softcap, entropy_weight=0.1)
         assert _rel(default[2], dx64) < 1.02 * _rel(eager[2], dx64)
         assert _rel(default[3], dw64) < 1.02 * _rel(eager[3], dw64)
         assert _rel(default[2], triton[2]) < 1e-3 and _rel(default[3], triton[3]) < 3e-4
