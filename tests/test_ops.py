@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import textwrap
 
+import libcst as cst
 import pytest
 
+from fp32patch.patcher.match import descendants
+from fp32patch.patcher.ops import Change, apply_changes
 from fp32patch.patcher.spec import parse_spec
 from fp32patch.patcher.transform import transform
 
@@ -343,3 +346,90 @@ def test_marker_text_inside_a_string_is_not_a_marker():
     result = transform(_spec(PREPEND), src, path="m.py", version=None)
     assert result.status == "applied"
     assert transform(_spec(PREPEND), result.new, path="m.py", version=None).status == "already-applied"
+
+
+# ---------------------------------------------------------------- apply_changes: only the way to an edit is rebuilt
+
+_MODULE = """\
+import os
+
+
+def untouched(a, b):
+    return (a + b) * 2
+
+
+class Head:
+    scale = 1.0
+
+    def forward(self, x):
+        y = x * self.scale
+        return y
+
+
+TAIL = os.sep
+"""
+
+
+def _comment_above(text: str):
+    def rewrite(node):
+        return node.with_changes(leading_lines=[*node.leading_lines, cst.EmptyLine(comment=cst.Comment(text))])
+
+    return rewrite
+
+
+class _EveryNode(cst.CSTTransformer):
+    """The rewrites as a plain libcst transformer applies them, entering every node (the reference)."""
+
+    def __init__(self, changes):
+        super().__init__()
+        self.by_node = {id(c.node): c.rewrite for c in changes}
+
+    def on_leave(self, original_node, updated_node):
+        rewrite = self.by_node.get(id(original_node))
+        return rewrite(updated_node) if rewrite else updated_node
+
+
+def _statements(module, kind):
+    return [n for n in descendants(module) if isinstance(n, kind)]
+
+
+def test_apply_changes_gives_a_whole_traversal_s_code_and_keeps_the_other_subtrees():
+    module = cst.parse_module(_MODULE)
+    lines = _statements(module, cst.SimpleStatementLine)
+    deep = next(n for n in lines if module.code_for_node(n).strip() == "y = x * self.scale")
+    tail = next(n for n in lines if module.code_for_node(n).strip().startswith("TAIL"))
+    changes = [Change(deep, _comment_above("# in the method")), Change(tail, _comment_above("# at the end"))]
+
+    out = apply_changes(module, changes)
+
+    assert out.code == module.visit(_EveryNode(changes)).code
+    assert "    # in the method\n        y = x * self.scale" in out.code and "# at the end\nTAIL" in out.code
+    # the statements with no edit below them are the module's own objects, not rebuilt copies
+    kept = [old is new for old, new in zip(module.body, out.body, strict=True)]
+    assert kept == [True, True, False, False]  # import, untouched(); Head (an edit inside), TAIL
+    head_old, head_new = module.body[2].body.body, out.body[2].body.body
+    assert head_old[0] is head_new[0] and head_old[1] is not head_new[1]  # `scale = 1.0` kept; forward rebuilt
+
+
+def test_apply_changes_without_changes_is_the_module_itself():
+    module = cst.parse_module(_MODULE)
+    assert apply_changes(module, []) is module
+
+
+def test_apply_changes_refuses_an_anchor_that_is_not_in_the_module():
+    """An anchor no traversal reaches (here: a node of another parse) is refused as overlapping
+    edits are, not skipped."""
+    module = cst.parse_module(_MODULE)
+    stranger = _statements(cst.parse_module(_MODULE), cst.SimpleStatementLine)[0]
+    with pytest.raises(ValueError, match="edits overlap"):
+        apply_changes(module, [Change(stranger, _comment_above("# lost"))])
+
+
+def test_apply_changes_inside_a_replaced_statement_applies_both_as_a_whole_traversal_does():
+    """An edit whose anchor lies inside another edit's statement: both are rewritten, the inner one
+    first, as libcst's own traversal orders them."""
+    module = cst.parse_module(_MODULE)
+    method = next(n for n in _statements(module, cst.FunctionDef) if n.name.value == "forward")
+    inner = _statements(method, cst.SimpleStatementLine)[0]
+    changes = [Change(method, _comment_above("# outer")), Change(inner, _comment_above("# inner"))]
+    assert apply_changes(module, changes).code == module.visit(_EveryNode(changes)).code

@@ -14,6 +14,7 @@ cases to tests/test_ops.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -349,13 +350,55 @@ PLANNERS: dict[str, Operation] = {
 assert set(PLANNERS) == set(OPERATIONS), "every operation of the vocabulary has a planner, and no other"
 
 
+@functools.cache
+def _node_fields(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+def _children(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """The nodes held in ``node``'s fields (any order): read off the dataclass, where libcst's own
+    ``children`` builds every child again through a visit."""
+    out: list[cst.CSTNode] = []
+    for name in _node_fields(type(node)):
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, cst.CSTNode))
+    return out
+
+
+def _on_the_way(module: cst.Module, targets: set[int]) -> set[int]:
+    """The ids of the nodes from ``module`` down to each target node, the targets included: the
+    only subtrees a rewrite can change. (libcst's transformer rebuilds every node it enters, about
+    50 us each; a module's other subtrees are kept as they are, the same objects and the same code.)
+    The walk stops once every target is found: a parsed module holds each node object once."""
+    on_the_way: set[int] = set()
+    path: list[cst.CSTNode] = []
+    todo: list[tuple[cst.CSTNode, int]] = [(module, 0)]
+    found: set[int] = set()
+    while todo and len(found) < len(targets):  # (no recursion: a deep expression cannot exhaust the stack)
+        node, depth = todo.pop()
+        del path[depth:]
+        path.append(node)
+        if id(node) in targets:
+            on_the_way.update(id(n) for n in path)
+            found.add(id(node))
+        todo.extend((child, depth + 1) for child in _children(node))
+    return on_the_way
+
+
 class _Apply(cst.CSTTransformer):
-    def __init__(self, changes: list[Change]):
+    def __init__(self, changes: list[Change], module: cst.Module):
         super().__init__()
         self.by_node: dict[int, list[Rewrite]] = {}
         for change in changes:
             self.by_node.setdefault(id(change.node), []).append(change.rewrite)
         self.done: set[int] = set()
+        self.enter = _on_the_way(module, set(self.by_node))
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        return id(node) in self.enter
 
     def on_leave(self, original_node, updated_node):
         rewrites = self.by_node.get(id(original_node))
@@ -371,7 +414,7 @@ class _Apply(cst.CSTTransformer):
 
 
 def apply_changes(module: cst.Module, changes: list[Change]) -> cst.Module:
-    transformer = _Apply(changes)
+    transformer = _Apply(changes, module)
     result = module.visit(transformer)
     missed = set(transformer.by_node) - transformer.done
     if missed:  # an anchor inside a replaced subtree: the spec's edits overlap
