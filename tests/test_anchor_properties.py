@@ -35,6 +35,7 @@ each replaced through the gate) from its wheel, with the other seven target file
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -59,6 +60,12 @@ FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 # ---------------------------------------------------------------- reading and editing the text
+
+
+@functools.cache
+def _spec(spec_id: str) -> Spec:
+    """A shipped spec, loaded once per worker (the correctness checks ask for it every example)."""
+    return next(s for s in load_specs() if s.id == spec_id)
 
 
 def _lines(text: str) -> list[str]:
@@ -841,7 +848,7 @@ def _setup_correct(before: str, after: str, args: str) -> None:
 
 
 def _residual_if() -> ast.stmt:
-    spec = next(s for s in load_specs() if s.id == "nemo-rl-fp32-lm-head")
+    spec = _spec("nemo-rl-fp32-lm-head")
     (edit,) = [e for e in spec.variants[0].edits if e.id == "residual"]
     return ast.parse(edit.code).body[0]
 
@@ -957,7 +964,7 @@ MONKEY_PATCH = "await engine_client.collective_rpc(method='monkey_patch_model', 
 
 def _release_files(spec_id: str, version: str) -> dict[str, str]:
     """The files the spec names, as its distribution's wheel of ``version`` holds them (those it holds)."""
-    spec = next(s for s in load_specs() if s.id == spec_id)
+    spec = _spec(spec_id)
     paths = [p for _, p in spec.target.files]
     src = wheel_members(spec.target.distribution, version, paths)
     return {p: (src / p).read_text() for p in paths if (src / p).exists()}
@@ -1177,7 +1184,7 @@ def _anchored_correct(
     after the imports, and nothing else changed: the AST, once the edits are taken out or put back, is the input's."""
 
     def correct(before: str, after: str, args: str) -> None:
-        spec = next(s for s in load_specs() if s.id == spec_id)
+        spec = _spec(spec_id)
         variant = next(v for v in spec.variants if v.name == args)
         own = {e.id: e for e in variant.edits if spec.target.path_of(e.file) == path}
         (gate_edit,) = [e for e in own.values() if e.op == "insert_after_imports"]
@@ -1987,8 +1994,8 @@ def _own_line_markers(text: str, spec_id: str) -> list[str]:
         and not tok.line[: tok.start[1]].strip()
         and tok.string.startswith(f"# fp32patch: {spec_id} [")
     ]
-    spec = next(s for s in load_specs() if s.id == spec_id)
-    counted = {f"# fp32patch: {spec_id} [{e.id}]": e.count for v in spec.variants for e in v.edits if e.count > 1}
+    spec = _spec(spec_id)
+    counted = {f"# fp32patch: {spec.id} [{e.id}]": e.count for v in spec.variants for e in v.edits if e.count > 1}
     for marker, count in counted.items():
         if marker in found:
             assert found.count(marker) == count, (marker, found.count(marker), count)
@@ -2002,7 +2009,7 @@ def test_every_shipped_spec_has_a_case():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
 def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
-    spec = next(s for s in load_specs() if s.id == case.spec_id)
+    spec = _spec(case.spec_id)
     source = case.source()
     mutations = case.mutations(spec)
     outcomes: dict[str, int] = {}
