@@ -31,8 +31,8 @@
 # twelfth (12) the CUDA tests with that default, then 7B at 64k on an H200 (the short pairs on an H100);
 # the thirteenth (13) the cells nearest 1.02x again on the card (an H200): every stack's pair
 # at 0.5B and 1,024 tokens, TRL's at 4k/16k/64k with the strips, the stock pair at 1.5B/4k; the
-# fourteenth (14) the CUDA tests as rewritten for the strips (never run on a GPU), then 7B at 64k
-# and the stock pair at 1.5B/4k on an H200, or TRL's pair at 1k over 150 rounds on an H100.
+# fourteenth (14) on an H200 7B at 64k, the stock pair at 1.5B/4k, the CUDA tests; on an H100 the
+# CUDA tests as rewritten for the strips, then TRL's pair at 1k over 150 rounds.
 set -u
 ROUND=${1:-1}
 # the device brings back at most 8 files: the parts write under $WORK, and everything is packed
@@ -60,13 +60,14 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     pack
 }
 if [ "$ROUND" = 14 ]; then
-    part gpu-tests 170 python -m pytest -q -p no:cacheprovider tests/gpu
-    if [ "$TAG" = h200 ]; then  # an 80 GB card does not hold it (round 3)
+    if [ "$TAG" = h200 ]; then  # an 80 GB card does not hold it (round 3); the tests last (they ran on an H100)
         part big 220 python bench/step.py --models 7B-untied --tokens 65536 --entropy off --rounds 2 \
             --ways fp32patch stock --out "$WORK/step-7b-64k-$TAG.json"
         part stock-4k 120 python bench/step.py --models 1.5B-untied --tokens 4096 --entropy off on --per-round 1 \
             --rounds 16 --ways stock fp32patch --out "$WORK/step-stock-4k-$TAG.json"
+        part gpu-tests 170 python -m pytest -q -p no:cacheprovider tests/gpu
     else
+        part gpu-tests 170 python -m pytest -q -p no:cacheprovider tests/gpu
         part trl-1k 200 python bench/step.py --models 0.5B-tied --tokens 1024 --entropy off --per-round 1 \
             --rounds 150 --ways trl-chunked fp32patch-trl --out "$WORK/step-trl-1k-$TAG.json"
     fi
