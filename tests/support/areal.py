@@ -6,6 +6,7 @@ file with its one AReaL import stood in."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -32,13 +33,15 @@ def engine_files(engine: str) -> dict[str, bytes]:
 
 
 def load_vocab_parallel(source: bytes, folder: Path) -> ModuleType:
-    """AReaL's ``vocab_parallel.py`` from ``source`` (its wheel's bytes), written into ``folder``."""
+    """AReaL's ``vocab_parallel.py`` from ``source`` (its wheel's bytes), written into ``folder``
+    under a name of this process's own: ranks of one spawn share a folder, and one rank writing the
+    file while another imports it hands the importer a truncated module (seen once in CI)."""
     platforms = ModuleType("areal.infra.platforms")
     platforms.is_npu_available = False  # stand-in: AReaL's platform probe (CUDA, NPU, CPU)
     for name in ("areal", "areal.infra"):
         sys.modules.setdefault(name, ModuleType(name))
     sys.modules["areal.infra.platforms"] = platforms
-    path = folder / "vocab_parallel.py"
+    path = folder / f"vocab_parallel_{os.getpid()}.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("areal_vocab_parallel", path)
     module = importlib.util.module_from_spec(spec)

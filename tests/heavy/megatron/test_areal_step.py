@@ -191,11 +191,7 @@ def _tp2_worker(rank: int, world: int, init_method: str, out_dir: str, patched: 
     torch.set_num_threads(1)
     init_parallel(rank, world, init_method)
     try:
-        # each rank its own copy of the file: two ranks writing one path race (one truncates it
-        # while the other imports it, which then finds no function; seen once in CI)
-        own = Path(out_dir) / f"rank{rank}-areal"
-        own.mkdir()
-        module = load_vocab_parallel(vocab, own)
+        module = load_vocab_parallel(vocab, Path(out_dir))
         wire, _ = _gate(patched)
         group = parallel_state.get_tensor_model_parallel_group()
         results = {}
