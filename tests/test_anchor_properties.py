@@ -1508,7 +1508,7 @@ def _sglang_mutations(spec: Spec) -> list[Mutation]:
         Mutation("marker-strings", marker_strings(spec)),
         Mutation("grow-imports", _grow_imports_before(_lp_class)),
         # breaking: each must be refused
-        Mutation("duplicate-class", append(f"if TYPE_CHECKING:\n\n    class {LP_CLASS}:\n    {decoy}"), breaking=True),
+        Mutation("duplicate-class", append(f"if TYPE_CHECKING:\n\n    class {LP_CLASS}:\n" + _indented(decoy, "    ")), breaking=True),
         Mutation("gate-name-clash", append(f"{SGL_GATE} = None\n"), breaking=True),
         Mutation("head-gemm-twice", insert_at(_sgl_branch, _block(f"logits = {SGL_GEMM}")), breaking=True),
         Mutation("head-gemm-changed", _sgl_gemm_changed, breaking=True),
@@ -2014,26 +2014,22 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
     mutations = case.mutations(spec)
     outcomes: dict[str, int] = {}
 
-    # a few benign mutations and, in about a third of the cases, one breaking mutation among them
-    # (two breaking ones can cancel out: a signature renamed next to a same-named stub leaves one match)
+    # a few benign mutations; a third of the lists (at least one) carry one breaking mutation among
+    # them (two breaking ones can cancel out: a signature renamed next to a same-named stub leaves one
+    # match). The two kinds are drawn apart, so the mix is the same for any seed: Hypothesis's draws
+    # are far from uniform (one strategy mixing them gave 1 breaking list of 40 on some seeds)
     seeds = st.integers(0, 10_000)
     benign = st.tuples(st.sampled_from([m for m in mutations if not m.breaking]), seeds)
     breaking = st.tuples(st.sampled_from([m for m in mutations if m.breaking]), seeds)
-    mutation_lists = st.builds(
-        lambda before, bad, at: [*before[:at], *([bad] if bad else []), *before[at:]],
+    benign_lists = st.lists(benign, min_size=1, max_size=5)
+    breaking_lists = st.builds(
+        lambda before, bad, at: [*before[:at], bad, *before[at:]],
         st.lists(benign, min_size=1, max_size=4),
-        st.one_of(st.none(), st.none(), breaking),
+        breaking,
         st.integers(0, 4),
     )
+    n_breaking = max(1, case.examples // 3)
 
-    @settings(
-        max_examples=case.examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
-    @given(mutation_lists)
     def check(chosen):
         text = source
         for mutation, seed in chosen:
@@ -2062,7 +2058,20 @@ def test_every_result_is_a_correct_edit_or_a_refusal(case: Case):
             assert again.status == "already-applied", again.message
         outcomes[result.status] = outcomes.get(result.status, 0) + 1
 
-    check()
+    for lists, examples in ((benign_lists, case.examples - n_breaking), (breaking_lists, n_breaking)):
+
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        )
+        @given(lists)
+        def generated(chosen):
+            check(chosen)
+
+        generated()
     assert sum(outcomes.values()) == case.examples
-    assert outcomes.get("applied", 0) > case.examples // 2 and set(outcomes) - {"applied"}
+    assert outcomes.get("applied", 0) == case.examples - n_breaking, outcomes
     print(f"\n{case.label}: {case.examples} generated cases: {outcomes}")

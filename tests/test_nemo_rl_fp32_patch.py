@@ -254,6 +254,50 @@ def test_a_moved_anchor_exits_3_naming_it_and_writes_nothing(tmp_path, edit):
     assert _sources(root) == before
 
 
+# The older variants hold only where a def is absent (an older checkout, not a newer one whose
+# anchor moved): that def however it is spelled. Before, a def written `name (` let a newer
+# checkout fall back to an older variant that leaves its inference model unwired or its deferred
+# start unprobed (found by the anchor-property cases).
+DEF_SPELLINGS = {"space": "{name} (", "continuation": "{name} \\\n        (", "tab": "{name}\t("}
+FALLBACKS = {
+    # shape, the edit, the def the older variants must not find, the anchor moved out of it
+    "wire-inference-model": (
+        SHAPES[0].name,
+        SETUP,
+        "build_inference_model",
+        ("        inference_model = get_model(", "        built = get_model("),
+    ),
+    "probe-driver": (
+        next(s.name for s in SHAPES if s.variant == "env-in-worker"),
+        GENERATION,
+        "load_and_start",
+        (
+            "        self._post_init()\n        self.device_uuids = self._report_device_id()",
+            "        self._post_init()\n        self.device_uuids = list(self._report_device_id())",
+        ),
+    ),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("spelling", DEF_SPELLINGS)
+@pytest.mark.parametrize("edit", FALLBACKS)
+def test_a_moved_anchor_beside_a_def_spelled_otherwise_is_refused_not_patched_by_an_older_variant(
+    tmp_path, edit, spelling
+):
+    shape, path, name, (old, new) = FALLBACKS[edit]
+    root = checkout(shape, tmp_path / "nemo-rl")
+    _replace(path, f"def {name}(", "def " + DEF_SPELLINGS[spelling].format(name=name))(root)
+    _replace(path, old, new)(root)
+    compile((root / path).read_text(), path, "exec")
+    before = _sources(root)
+    code, out = _run("apply", root)
+    assert code == 3, out
+    assert out["status"] == "anchor-missing", out
+    assert edit in out["message"], out["message"]
+    assert _sources(root) == before
+
+
 @needs_engine
 def test_a_missing_second_file_is_named(tmp_path):
     root = checkout(SHAPES[0].name, tmp_path / "nemo-rl")
