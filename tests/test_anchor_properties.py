@@ -1508,7 +1508,11 @@ def _sglang_mutations(spec: Spec) -> list[Mutation]:
         Mutation("marker-strings", marker_strings(spec)),
         Mutation("grow-imports", _grow_imports_before(_lp_class)),
         # breaking: each must be refused
-        Mutation("duplicate-class", append(f"if TYPE_CHECKING:\n\n    class {LP_CLASS}:\n" + _indented(decoy, "    ")), breaking=True),
+        Mutation(
+            "duplicate-class",
+            append(f"if TYPE_CHECKING:\n\n    class {LP_CLASS}:\n" + _indented(decoy, "    ")),
+            breaking=True,
+        ),
         Mutation("gate-name-clash", append(f"{SGL_GATE} = None\n"), breaking=True),
         Mutation("head-gemm-twice", insert_at(_sgl_branch, _block(f"logits = {SGL_GEMM}")), breaking=True),
         Mutation("head-gemm-changed", _sgl_gemm_changed, breaking=True),
