@@ -260,18 +260,14 @@ def test_a_moved_anchor_exits_3_naming_it_and_writes_nothing(tmp_path, edit):
 # start unprobed (found by the anchor-property cases).
 DEF_SPELLINGS = {"space": "{name} (", "continuation": "{name} \\\n        (", "tab": "{name}\t("}
 FALLBACKS = {
-    # shape, the edit, the def the older variants must not find, the anchor moved out of it
-    "wire-inference-model": (
-        SHAPES[0].name,
-        SETUP,
-        "build_inference_model",
-        ("        inference_model = get_model(", "        built = get_model("),
-    ),
+    # shape, the def the older variants must not find, and the anchor moved out of it
+    "wire-inference-model": (SHAPES[0].name, SETUP, "build_inference_model", MUTATIONS["wire-inference-model"][0]),
     "probe-driver": (
         next(s.name for s in SHAPES if s.variant == "env-in-worker"),
         GENERATION,
         "load_and_start",
-        (
+        _replace(
+            GENERATION,
             "        self._post_init()\n        self.device_uuids = self._report_device_id()",
             "        self._post_init()\n        self.device_uuids = list(self._report_device_id())",
         ),
@@ -285,10 +281,10 @@ FALLBACKS = {
 def test_a_moved_anchor_beside_a_def_spelled_otherwise_is_refused_not_patched_by_an_older_variant(
     tmp_path, edit, spelling
 ):
-    shape, path, name, (old, new) = FALLBACKS[edit]
+    shape, path, name, move_anchor = FALLBACKS[edit]
     root = checkout(shape, tmp_path / "nemo-rl")
     _replace(path, f"def {name}(", "def " + DEF_SPELLINGS[spelling].format(name=name))(root)
-    _replace(path, old, new)(root)
+    move_anchor(root)
     compile((root / path).read_text(), path, "exec")
     before = _sources(root)
     code, out = _run("apply", root)
