@@ -13,7 +13,7 @@ import pytest
 
 from fp32patch.patcher.match import descendants
 from fp32patch.patcher.ops import Change, apply_changes
-from fp32patch.patcher.spec import parse_spec
+from fp32patch.patcher.spec import SpecError, parse_spec
 from fp32patch.patcher.transform import transform
 
 
@@ -304,6 +304,62 @@ def test_refuse_when_names_the_shape_and_says_why_before_obsolete_or_any_variant
     # without the shape, the rest of the spec decides as before
     assert transform(spec, b"def f():\n    x = 1\n", path="m.py", version=None).status == "applied"
     assert transform(spec, b"def f():\n    # fix\n    x = 1\n", path="m.py", version=None).status == "obsolete"
+
+
+# A newer release moved the anchor into g (and defines g); the older one has it in f only.
+UNLESS_EDIT = 'op = "insert_after"\nscope = "f"\nmatch = "x = 1"\ncode = "y = 2"'
+UNLESS_VARIANTS = (
+    '[[variants]]\nname = "new"\nedits.e.scope = "g"\n'
+    '[[variants]]\nname = "old"\nunless = [{ scope = "**.g" }, { regex = "moved_on" }]\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "status", "variant"),
+    [
+        ("def f():\n    x = 1\ndef g():\n    x = 1\n", "applied", "new"),
+        ("def f():\n    x = 1\n", "applied", "old"),
+        # g is there but its anchor moved: the old variant's anchor in f holds, and would have
+        # patched the wrong function silently; it is kept off, and the new one's refusal shown
+        ("def f():\n    x = 1\ndef g():\n    x = 2\n", "anchor-missing", None),
+        # `**.g`: a g at any depth (a method, here)
+        ("class C:\n    def g(self):\n        pass\ndef f():\n    x = 1\n", "anchor-missing", None),
+        # any one of the shapes keeps it off (the second is a string only the newer file holds)
+        ("def f():\n    x = 1\nNAME = 'moved_on'\n", "anchor-missing", None),
+    ],
+)
+def test_a_variant_is_kept_off_files_with_a_shape_its_unless_names(source, status, variant):
+    result = transform(_spec(UNLESS_EDIT, UNLESS_VARIANTS), source.encode(), path="pkg/m.py", version=None)
+    assert result.status == status, result.message
+    if status == "applied":
+        assert result.variant == variant
+    else:
+        assert result.new is None
+        assert "variant new" in result.message and "scope g" in result.message, result.message
+
+
+def test_a_variant_kept_off_by_unless_alone_says_which_shape_and_writes_nothing():
+    spec = _spec(UNLESS_EDIT, '[[variants]]\nname = "old"\nunless = [{ scope = "g" }]\n')
+    result = transform(spec, b"def f():\n    x = 1\ndef g():\n    pass\n", path="pkg/m.py", version=None)
+    assert result.status == "unsupported-version" and result.new is None
+    assert "variant old is for releases without scope g, and this one has it" in result.message, result.message
+    assert transform(spec, b"def f():\n    x = 1\n", path="pkg/m.py", version=None).status == "applied"
+
+
+@pytest.mark.parametrize(
+    ("unless", "named"),
+    [
+        ('unless = [{ scop = "g" }]', "variants[0].unless[0].scop: unknown field (did you mean 'scope'?"),
+        ('unless = "g"', "variants[0].unless: expected array"),
+        ('unless = ["g"]', "variants[0].unless[0]: expected a table"),
+        ('unless = [{ file = "other", scope = "g" }]', "variants[0].unless[0].file: no file named 'other'"),
+        ('unless = [{ regex = "(" }]', "variants[0].unless[0].regex: not a regular expression"),
+    ],
+)
+def test_a_bad_unless_is_refused_at_load_naming_where(unless, named):
+    with pytest.raises(SpecError) as err:
+        _spec(UNLESS_EDIT, f'[[variants]]\nname = "old"\n{unless}\n')
+    assert f"test.toml: {named}" in str(err.value), err.value
 
 
 def test_bom_and_missing_final_newline_are_kept():

@@ -123,6 +123,9 @@ class Variant:
     name: str
     versions: SpecifierSet
     edits: tuple[Edit, ...]  # the edits this variant makes (``omit`` already taken out)
+    # shapes of newer releases, any one present keeps this variant off the files: an older
+    # variant must not patch a newer file whose anchors happen to hold the older way
+    unless: tuple[Pattern, ...] = ()
 
     def admits(self, version: Version | None) -> bool:
         return version is None or self.versions.contains(version, prereleases=True)

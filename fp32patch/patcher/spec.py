@@ -54,7 +54,7 @@ _TOP_FIELDS = (
     "refuse_when",
 )
 _TARGET_FIELDS = ("distribution", "path", "files", "versions")
-_VARIANT_FIELDS = ("name", "versions", "edits", "omit")
+_VARIANT_FIELDS = ("name", "versions", "edits", "omit", "unless")
 _PATTERN_FIELDS = ("scope", "match", "params", "regex", "file")
 _MAIN = "main"  # the short name of a single-file spec's file
 
@@ -326,7 +326,11 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
             edits.append(edit)
         if not edits:
             vf.fail("omit", "a variant needs at least one edit")
-        variants.append(Variant(name=name, versions=versions, edits=tuple(edits)))
+        unless = tuple(
+            _pattern(_Fields(source, f"variants[{i}].unless[{j}]", p, _PATTERN_FIELDS), files)
+            for j, p in enumerate(vf.tables("unless"))
+        )
+        variants.append(Variant(name=name, versions=versions, edits=tuple(edits), unless=unless))
 
     obsolete = []
     for i, ot in enumerate(top.tables("obsolete_when")):

@@ -212,6 +212,7 @@ def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: 
     errors: list[_Refusal] = []
     for variant in variants:
         try:
+            _admitted(variant, files, first)
             done = _apply_variant(spec, variant, files, result)
         except _Refusal as exc:
             if len(variants) == 1:
@@ -227,6 +228,21 @@ def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: 
         return done
     nearest = max(errors, key=lambda exc: exc.reached)  # max keeps the first of equals
     raise _Refusal(nearest.status, nearest.detail, anchor=nearest.anchor)
+
+
+def _admitted(variant: Variant, files: dict[str, _File], first: str) -> None:
+    """Refuse ``variant`` where the files have a shape its ``unless`` names (a newer release's):
+    an older variant never patches a newer file, even where its anchors would hold. Such a
+    refusal comes nearest of none, so where another variant was tried it is that one's shown."""
+    for pattern in variant.unless:
+        if _present(files, pattern, pattern.file or first):
+            raise _Refusal(
+                Status.UNSUPPORTED,
+                f"variant {variant.name} is for releases without {pattern.describe()}"
+                f"{f' (in {pattern.file})' if pattern.file else ''}, and this one has it. {_UPGRADE_HINT}",
+                anchor=pattern.describe(),
+                reached=(False, -1),
+            )
 
 
 def _present(files: dict[str, _File], pattern: Pattern, default: str) -> bool:
