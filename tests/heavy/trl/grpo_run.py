@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -209,64 +210,72 @@ def train_one(settings: RunSettings, lines: _Lines, seen: dict[str, list]) -> di
         kwargs["vllm_server_base_url"] = settings.server_url
         kwargs["vllm_server_timeout"] = 60
     out_dir = tempfile.mkdtemp(prefix="trl-run-")
-    config = Config(
-        output_dir=out_dir,
-        use_cpu=True,
-        bf16=True,
-        seed=settings.seed,
-        per_device_train_batch_size=4 * settings.prompts_per_step,
-        num_generations=4,
-        max_completion_length=settings.completion_length,
-        max_steps=settings.steps,
-        learning_rate=settings.learning_rate,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        beta=settings.beta,
-        temperature=TEMPERATURE,
-        use_vllm=True,
-        vllm_mode=settings.vllm_mode,
-        vllm_max_model_length=harness.MAX_MODEL_LEN,
-        dataloader_num_workers=0,
-        **kwargs,
-    )
-    peft_config = None
-    if settings.peft:
-        from peft import LoraConfig
+    try:  # the trainer's output folder (nothing is saved in it) goes with the run
+        config = Config(
+            output_dir=out_dir,
+            use_cpu=True,
+            bf16=True,
+            seed=settings.seed,
+            per_device_train_batch_size=4 * settings.prompts_per_step,
+            num_generations=4,
+            max_completion_length=settings.completion_length,
+            max_steps=settings.steps,
+            learning_rate=settings.learning_rate,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            gradient_checkpointing=False,
+            beta=settings.beta,
+            temperature=TEMPERATURE,
+            use_vllm=True,
+            vllm_mode=settings.vllm_mode,
+            vllm_max_model_length=harness.MAX_MODEL_LEN,
+            dataloader_num_workers=0,
+            **kwargs,
+        )
+        peft_config = None
+        if settings.peft:
+            from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    dataset = Dataset.from_dict({"prompt": PROMPTS * settings.prompts_per_step * settings.steps})
-    torch.manual_seed(settings.seed)
-    trainer = Trainer(
-        model=settings.model, reward_funcs=reward_length, args=config, train_dataset=dataset, peft_config=peft_config
-    )
-    vllm_dtypes: list[str] = []
-    _vllm_logits(trainer, vllm_dtypes)
-    before, _ = _digest(trainer.model)
-    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
-    after, finite = _digest(trainer.model)
-    update = {
-        n: (p.detach() - start[n]).float().norm().item() for n, p in trainer.model.named_parameters() if n in start
-    }
-    head = trainer.model.get_output_embeddings()
-    return {
-        "log_history": trainer.state.log_history,
-        "before": before,
-        "after": after,
-        "finite": finite,
-        "update_norm": sum(v * v for v in update.values()) ** 0.5,
-        "head_update_norm": next((v for n, v in update.items() if "lm_head" in n), None),
-        "head_dtype": str(head.weight.dtype),
-        "kernels": seen,
-        "vllm_logits_dtypes": sorted(set(vllm_dtypes)),
-        "vllm_logits_calls": len(vllm_dtypes),
-        "fp32patch_lines": lines.lines[first_line:],
-        "fp32patch_imported": "fp32patch" in sys.modules,
-        "trl_file": sys.modules["trl"].__file__,
-        "vllm_switch": {k: os.environ.get(k) for k in ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD")},
-    }
+            peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        dataset = Dataset.from_dict({"prompt": PROMPTS * settings.prompts_per_step * settings.steps})
+        torch.manual_seed(settings.seed)
+        trainer = Trainer(
+            model=settings.model,
+            reward_funcs=reward_length,
+            args=config,
+            train_dataset=dataset,
+            peft_config=peft_config,
+        )
+        vllm_dtypes: list[str] = []
+        _vllm_logits(trainer, vllm_dtypes)
+        before, _ = _digest(trainer.model)
+        start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.train()
+        after, finite = _digest(trainer.model)
+        update = {
+            n: (p.detach() - start[n]).float().norm().item() for n, p in trainer.model.named_parameters() if n in start
+        }
+        head = trainer.model.get_output_embeddings()
+        return {
+            "log_history": trainer.state.log_history,
+            "before": before,
+            "after": after,
+            "finite": finite,
+            "update_norm": sum(v * v for v in update.values()) ** 0.5,
+            "head_update_norm": next((v for n, v in update.items() if "lm_head" in n), None),
+            "head_dtype": str(head.weight.dtype),
+            "kernels": seen,
+            "vllm_logits_dtypes": sorted(set(vllm_dtypes)),
+            "vllm_logits_calls": len(vllm_dtypes),
+            "fp32patch_lines": lines.lines[first_line:],
+            "fp32patch_imported": "fp32patch" in sys.modules,
+            "trl_file": sys.modules["trl"].__file__,
+            "vllm_switch": {k: os.environ.get(k) for k in ("FP32PATCH_VLLM_LM_HEAD", "NRL_VLLM_FP32_LM_HEAD")},
+        }
+
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def main(settings_path: str, out_path: str) -> None:

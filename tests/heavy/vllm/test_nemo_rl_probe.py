@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -140,8 +139,7 @@ def _llama(builder):
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
-    folder = tempfile.mkdtemp(prefix="tiny-llama-")
-    LlamaConfig(
+    config = LlamaConfig(
         vocab_size=tiny.VOCAB,
         hidden_size=tiny.HIDDEN,
         intermediate_size=128,
@@ -150,7 +148,8 @@ def _llama(builder):
         num_key_value_heads=2,
         tie_word_embeddings=False,
         architectures=["LlamaForCausalLM"],
-    ).save_pretrained(folder)
+    )
+    folder = builder.folder("llama-one-layer", config)
     model_config = ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128)
     vllm_config = VllmConfig(model_config=model_config, parallel_config=builder.vllm_config.parallel_config)
     previous = torch.get_default_dtype()

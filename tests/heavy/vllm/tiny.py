@@ -18,11 +18,10 @@ import torch
 VOCAB, HIDDEN = 300, 64  # 300 pads to 320 in vLLM's head: the trim is exercised
 
 
-def _config_dir(**overrides) -> str:
+def _nemotron_config():
     from transformers import NemotronHConfig
 
-    folder = tempfile.mkdtemp(prefix="tiny-nemotron-h-")
-    NemotronHConfig(
+    return NemotronHConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=2,
@@ -38,9 +37,7 @@ def _config_dir(**overrides) -> str:
         conv_kernel=4,
         tie_word_embeddings=False,
         architectures=["NemotronHForCausalLM"],
-        **overrides,
-    ).save_pretrained(folder)
-    return folder
+    )
 
 
 def stock_module():
@@ -57,9 +54,17 @@ def stock_module():
 
 
 class Builder:
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config, root: Path):
         self.vllm_config = vllm_config
+        self.root = root  # the session's folder, removed when it ends
         self._folders: dict[str, str] = {}
+
+    def folder(self, name: str, config) -> str:
+        """``config`` (a transformers config) saved once per session, under the session's folder."""
+        if name not in self._folders:
+            config.save_pretrained(self.root / name)
+            self._folders[name] = str(self.root / name)
+        return self._folders[name]
 
     def model(self, cls=None, *, seed: int = 0, family: Family | None = None, **config_overrides):
         from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
@@ -68,9 +73,9 @@ class Builder:
             module = importlib.import_module(f"vllm.model_executor.models.{family.module}")
             _cpu_activations(module)
             cls = getattr(module, family.cls)
-            folder = self._folders.setdefault(family.cls, _family_dir(family))
+            folder = self.folder(family.module, _family_config(family))
         else:
-            folder = None
+            folder = self.folder("nemotron_h", _nemotron_config())
         if cls is None:
             from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM as cls
         # a fresh config per model: vLLM registers each layer's name in its config
@@ -95,14 +100,7 @@ class Builder:
         return model
 
 
-_CONFIG_DIR: list[str] = []
-
-
-def _model_config(ModelConfig, folder: str | None = None, **kwargs):
-    if folder is None:
-        if not _CONFIG_DIR:
-            _CONFIG_DIR.append(_config_dir())
-        folder = _CONFIG_DIR[0]
+def _model_config(ModelConfig, folder: str, **kwargs):
     return ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, **kwargs)
 
 
@@ -176,15 +174,12 @@ FAMILIES = {
 }
 
 
-def _family_dir(family: Family) -> str:
+def _family_config(family: Family):
     import transformers
 
     if family.cls == "NemotronHForCausalLM":
-        return _config_dir()
-    folder = tempfile.mkdtemp(prefix=f"tiny-{family.module}-")
-    config = getattr(transformers, family.config)(architectures=[family.cls], **family.settings)
-    config.save_pretrained(folder)
-    return folder
+        return _nemotron_config()
+    return getattr(transformers, family.config)(architectures=[family.cls], **family.settings)
 
 
 class _GeluAndMul(torch.nn.Module):
@@ -303,17 +298,21 @@ def session(init_method: str, world: int = 1, rank: int = 0) -> Iterator[Builder
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     parallel = ParallelConfig(tensor_parallel_size=world)
-    vllm_config = VllmConfig(model_config=_model_config(ModelConfig), parallel_config=parallel)
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=world,
-            rank=rank,
-            distributed_init_method=init_method,
-            local_rank=rank,
-            backend="gloo",
-        )
-        initialize_model_parallel(world, 1)
-        yield Builder(vllm_config)
+    # the models' config folders live as long as the session (one per family, not one per model)
+    with tempfile.TemporaryDirectory(prefix="fp32patch-tiny-") as root:
+        builder = Builder(None, Path(root))
+        nemotron = builder.folder("nemotron_h", _nemotron_config())
+        builder.vllm_config = VllmConfig(model_config=_model_config(ModelConfig, nemotron), parallel_config=parallel)
+        with set_current_vllm_config(builder.vllm_config):
+            init_distributed_environment(
+                world_size=world,
+                rank=rank,
+                distributed_init_method=init_method,
+                local_rank=rank,
+                backend="gloo",
+            )
+            initialize_model_parallel(world, 1)
+            yield builder
 
 
 def reference(hidden: torch.Tensor, model) -> torch.Tensor:
