@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 
+from fp32patch.patcher.spec import load_specs
 from tests.fixtures.nemo_rl_shapes import (
     ASYNC_WORKER,
     DTENSOR,
@@ -36,6 +37,7 @@ from tests.fixtures.nemo_rl_shapes import (
     GENERATION,
     MERGED,
     MODEL_UTILS,
+    NEWEST_SHAPES,
     PATCHES,
     SETUP,
     SHAPES,
@@ -189,6 +191,7 @@ def _replace(path: str, old: str, new: str):
         assert text.count(old) == 1, f"the mutation's target moved: {old!r}"
         target.write_text(text.replace(old, new))
 
+    mutate.path, mutate.old = path, old  # where it moves what, for choosing the shapes it applies to
     return mutate
 
 
@@ -252,6 +255,44 @@ def test_a_moved_anchor_exits_3_naming_it_and_writes_nothing(tmp_path, edit):
     assert out["status"] in ("anchor-missing", "anchor-ambiguous"), out
     assert edit in out["message"] and named in out["message"], out["message"]
     assert _sources(root) == before
+
+
+def _moved_in_newest() -> list:
+    """(shape, edit) for every edit a reworked checkout's variant makes that MUTATIONS can move there."""
+    spec = next(s for s in load_specs() if s.id == "nemo-rl-fp32-lm-head")
+    variants = {v.name: v for v in spec.variants}
+    cases = []
+    for shape in NEWEST_SHAPES:
+        files = files_at(shape.name)
+        for edit in variants[shape.variant].edits:
+            mutate = MUTATIONS.get(edit.id, (None,))[0]
+            if mutate is not None and files.get(mutate.path, "").count(mutate.old) == 1:
+                cases.append(pytest.param(shape.name, edit.id, id=f"{shape.name}-{edit.id}"))
+    return cases
+
+
+# A reworked checkout (September 2026) whose anchor moved is refused, naming it: with DTensor v1
+# still there, the variant made for after v1's removal held in every other file and left the v1
+# worker without the fp32 head (found 2026-12-06); nothing may fall back to a variant that skips it.
+@needs_engine
+@pytest.mark.parametrize(("shape", "edit"), _moved_in_newest())
+def test_a_moved_anchor_in_a_reworked_checkout_is_refused_never_left_out_by_a_variant_without_it(tmp_path, shape, edit):
+    root = checkout(shape, tmp_path / "nemo-rl")
+    mutate, named = MUTATIONS[edit]
+    mutate(root)
+    before = _sources(root)
+    code, out = _run("apply", root)
+    assert code == 3, out
+    assert out["status"] in ("anchor-missing", "anchor-ambiguous"), out
+    assert edit in out["message"] and named in out["message"], out["message"]
+    assert _sources(root) == before
+
+
+def test_the_reworked_checkouts_meet_the_moves_of_their_dtensor_workers():
+    cases = {(p.values[0], p.values[1]) for p in _moved_in_newest()}
+    for shape in NEWEST_SHAPES:
+        assert (shape.name, "wire-dtensor-v2") in cases
+        assert ((shape.name, "wire-dtensor") in cases) == (shape.variant == "logit-dtype"), shape.name
 
 
 # The older variants hold only where a def is absent (an older checkout, not a newer one whose

@@ -22,6 +22,8 @@ entropy with its own vocab-parallel code, its PPO loss with an entropy bonus, ba
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,10 +60,12 @@ def _job(tmp_path_factory, root: Path | None, world: int, phases: list) -> dict:
 
 
 @pytest.fixture(scope="module")
-def patched_root() -> Path:
+def patched_root() -> Iterator[Path]:
     from tests.heavy import roots
 
-    return roots.patched_root("skyrl", WRAPPER, label="skyrl-")
+    root = roots.patched_root("skyrl", WRAPPER, label="skyrl-")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"tp{w}")
