@@ -128,12 +128,17 @@ class _Fields:
         raise AssertionError  # unreachable
 
 
+def _patterns(source: str, f: _Fields, key: str, files: dict[str, str]) -> tuple[Pattern, ...]:
+    """The list of pattern tables under ``key`` of the table ``f`` (each named where written)."""
+    return tuple(
+        _pattern(_Fields(source, f"{f.where}.{key}[{j}]", p, _PATTERN_FIELDS), files)
+        for j, p in enumerate(f.tables(key))
+    )
+
+
 def _known_shape_patterns(source: str, f: _Fields, files: dict[str, str]) -> tuple[Pattern, ...]:
     """The ``patterns`` of an ``obsolete_when`` or ``refuse_when`` table ``f``: at least one."""
-    pats = tuple(
-        _pattern(_Fields(source, f"{f.where}.patterns[{j}]", p, _PATTERN_FIELDS), files)
-        for j, p in enumerate(f.tables("patterns"))
-    )
+    pats = _patterns(source, f, "patterns", files)
     if not pats:
         f.fail("patterns", "needs at least one pattern")
     return pats
@@ -204,10 +209,7 @@ def _edit(source: str, where: str, table: dict[str, Any], files: dict[str, str],
     if count < 1:
         f.fail("count", f"must be at least 1, got {count}")
     catches = f.string("catches")
-    skip_when = tuple(
-        _pattern(_Fields(source, f"{where}.skip_when[{i}]", t, _PATTERN_FIELDS), files)
-        for i, t in enumerate(f.tables("skip_when"))
-    )
+    skip_when = _patterns(source, f, "skip_when", files)
     edit = Edit(
         id=edit_id or "",
         op=op or "",
@@ -326,10 +328,7 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
             edits.append(edit)
         if not edits:
             vf.fail("omit", "a variant needs at least one edit")
-        unless = tuple(
-            _pattern(_Fields(source, f"variants[{i}].unless[{j}]", p, _PATTERN_FIELDS), files)
-            for j, p in enumerate(vf.tables("unless"))
-        )
+        unless = _patterns(source, vf, "unless", files)
         variants.append(Variant(name=name, versions=versions, edits=tuple(edits), unless=unless))
 
     obsolete = []

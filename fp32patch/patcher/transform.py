@@ -235,7 +235,7 @@ def _admitted(variant: Variant, files: dict[str, _File], first: str) -> None:
     an older variant never patches a newer file, even where its anchors would hold. Such a
     refusal comes nearest of none, so where another variant was tried it is that one's shown."""
     for pattern in variant.unless:
-        if _present(files, pattern, pattern.file or first):
+        if _present(files, pattern, first):
             raise _Refusal(
                 Status.UNSUPPORTED,
                 f"variant {variant.name} is for releases without {pattern.describe()}"
