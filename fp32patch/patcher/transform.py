@@ -194,10 +194,10 @@ def _transform(spec: Spec, files: dict[str, _File], version: str | None, shown: 
 
     first = spec.target.files[0][0]
     for known in spec.refuse_when:
-        if all(_present(files, p, p.file or first) for p in known.patterns):
+        if all(_present(files, p, first) for p in known.patterns):
             raise _Refusal(Status.UNSUPPORTED, f"it has {known.name}: {known.why} Nothing was written.")
     for fix in spec.obsolete_when:
-        if all(_present(files, p, p.file or first) for p in fix.patterns):
+        if all(_present(files, p, first) for p in fix.patterns):
             return result(
                 Status.OBSOLETE, message=f"{spec.id}: not needed, {shown} already has the upstream fix: {fix.name}"
             )
