@@ -351,7 +351,8 @@ def test_a_variant_kept_off_by_unless_alone_says_which_shape_and_writes_nothing(
     [
         ('unless = [{ scop = "g" }]', "variants[0].unless[0].scop: unknown field (did you mean 'scope'?"),
         ('unless = "g"', "variants[0].unless: expected array"),
-        ('unless = ["g"]', "variants[0].unless[0]: expected a table"),
+        ('unless = ["g"]', "variants[0].unless[0]: no shape named 'g' (the spec has no [shapes])"),
+        ("unless = [1]", "variants[0].unless[0]: expected a table, got integer"),
         ('unless = [{ file = "other", scope = "g" }]', "variants[0].unless[0].file: no file named 'other'"),
         ('unless = [{ regex = "(" }]', "variants[0].unless[0].regex: not a regular expression"),
     ],
@@ -360,6 +361,84 @@ def test_a_bad_unless_is_refused_at_load_naming_where(unless, named):
     with pytest.raises(SpecError) as err:
         _spec(UNLESS_EDIT, f'[[variants]]\nname = "old"\n{unless}\n')
     assert f"test.toml: {named}" in str(err.value), err.value
+
+
+# The same spec with its patterns named once in [shapes]: the same decisions, the same hash.
+SHAPES = '[shapes]\ng-anywhere = { scope = "**.g" }\nmoved-on = { regex = "moved_on" }\n'
+NAMED_VARIANTS = (
+    '[[variants]]\nname = "new"\nedits.e.scope = "g"\n[[variants]]\nname = "old"\nunless = ["g-anywhere", "moved-on"]\n'
+)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f():\n    x = 1\ndef g():\n    x = 1\n",
+        "def f():\n    x = 1\n",
+        "def f():\n    x = 1\ndef g():\n    x = 2\n",
+        "def f():\n    x = 1\nNAME = 'moved_on'\n",
+    ],
+)
+def test_named_shapes_decide_as_the_patterns_written_in_place_and_hash_the_same(source):
+    written = _spec(UNLESS_EDIT, UNLESS_VARIANTS)
+    named = _spec(UNLESS_EDIT, NAMED_VARIANTS + SHAPES)
+    assert named.sha256 == written.sha256  # naming is notation: a tree patched before stays `applied`
+    a, b = (transform(s, source.encode(), path="pkg/m.py", version=None) for s in (written, named))
+    assert (a.status, a.variant, a.new) == (b.status, b.variant, b.new)
+    assert a.message == b.message  # where kept off, the newer variant's refusal is shown, the same
+
+
+def test_a_variant_kept_off_by_a_named_shape_says_its_name():
+    spec = _spec(
+        UNLESS_EDIT, '[[variants]]\nname = "old"\nunless = ["g-anywhere"]\n[shapes]\ng-anywhere = { scope = "**.g" }\n'
+    )
+    result = transform(spec, b"def f():\n    x = 1\ndef g():\n    pass\n", path="pkg/m.py", version=None)
+    assert result.status == "unsupported-version" and result.new is None
+    assert "variant old is for releases without g-anywhere (scope **.g), and this one has it" in result.message
+
+
+def test_named_shapes_serve_skip_when_and_obsolete_when():
+    edit = 'op = "insert_after"\nscope = "f"\nmatch = "x = 1"\ncode = "y = 2"\nskip_when = ["has-y"]'
+    spec = _spec(
+        edit,
+        '[[obsolete_when]]\nname = "upstream"\npatterns = ["has-y", { regex = "fixed upstream" }]\n'
+        '[shapes]\nhas-y = { scope = "f", match = "y = 2" }\n',
+    )
+    result = transform(spec, b"def f():\n    x = 1\n    y = 2\n", path="m.py", version=None)
+    assert result.status == "obsolete" and result.skipped == ["e"]
+    result = transform(spec, b"def f():\n    # fixed upstream\n    x = 1\n    y = 2\n", path="m.py", version=None)
+    assert result.status == "obsolete" and "upstream" in result.message
+    assert transform(spec, b"def f():\n    x = 1\n", path="m.py", version=None).status == "applied"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (
+            'unless = ["g-anywher"]\n[shapes]\ng-anywhere = { scope = "g" }',
+            "variants[0].unless[0]: no shape named 'g-anywher' (did you mean 'g-anywhere'? shapes: g-anywhere)",
+        ),
+        ('unless = ["g"]\n[shapes]\ng = { scop = "g" }', "shapes.g.scop: unknown field (did you mean 'scope'?"),
+        ('unless = ["g"]\n[shapes]\ng = { regex = "(" }', "shapes.g.regex: not a regular expression"),
+        ('unless = ["g"]\n[shapes]\ng = { file = "other" }', "shapes.g.file: no file named 'other'"),
+        ('unless = ["g"]\n[shapes]\ng = "scope g"', "shapes.g: expected a table, got string"),
+        (
+            'unless = ["G_1"]\n[shapes]\nG_1 = { scope = "g" }',
+            "shapes.G_1: a shape's name is lower-case and dash-separated",
+        ),
+        ('unless = ["g"]\n[shapes]\ng = { scope = "g" }\nh = { scope = "h" }', "shapes.h: named in no unless"),
+    ],
+)
+def test_bad_shapes_are_refused_at_load_naming_where(extra, named):
+    with pytest.raises(SpecError) as err:
+        _spec(UNLESS_EDIT, f'[[variants]]\nname = "old"\n{extra}\n')
+    assert f"test.toml: {named}" in str(err.value), err.value
+
+
+def test_shapes_must_be_a_table():
+    text = 'schema = 1\nid = "t"\nsummary = "s"\nshapes = 1\n[target]\ndistribution = "p"\npath = "p/m.py"\n'
+    with pytest.raises(SpecError, match=r"test\.toml: shapes: expected table, got integer 1"):
+        parse_spec(text + '[[edits]]\nid = "e"\n' + UNLESS_EDIT, "test.toml")
 
 
 def test_bom_and_missing_final_newline_are_kept():

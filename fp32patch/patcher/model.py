@@ -74,6 +74,7 @@ class Pattern:
     params: tuple[str, ...] | None = None  # the scope function's exact parameter names
     regex: str | None = None  # searched in the scope's source text (for string contents)
     file: str | None = None  # which of the spec's files (its short name); None: the default one
+    name: str = ""  # its name in the spec's [shapes], where it is one of them
 
     def describe(self) -> str:
         parts = [f"scope {self.scope or '<module>'}"]

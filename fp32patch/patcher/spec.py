@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import sys
+from dataclasses import replace
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
@@ -52,6 +53,7 @@ _TOP_FIELDS = (
     "variants",
     "obsolete_when",
     "refuse_when",
+    "shapes",
 )
 _TARGET_FIELDS = ("distribution", "path", "files", "versions")
 _VARIANT_FIELDS = ("name", "versions", "edits", "omit", "unless")
@@ -128,17 +130,56 @@ class _Fields:
         raise AssertionError  # unreachable
 
 
-def _patterns(source: str, f: _Fields, key: str, files: dict[str, str]) -> tuple[Pattern, ...]:
-    """The list of pattern tables under ``key`` of the table ``f`` (each named where written)."""
+class _Shapes:
+    """The spec's ``[shapes]``: patterns written once, by name, and named in any pattern list
+    (``unless``, ``skip_when``, ``patterns``). Each is checked where written (``shapes.NAME``);
+    a name that no list uses is refused, as a misspelt use would leave it."""
+
+    def __init__(self, source: str, table: Any, files: dict[str, str]):
+        f = _Fields(source, "shapes", table if table is not None else {}, tuple(table or ()))
+        self.raw: dict[str, dict[str, Any]] = {}
+        self.patterns: dict[str, Pattern] = {}
+        for name, value in f.table.items():
+            if not _ID_RE.match(name):
+                f.fail(name, "a shape's name is lower-case and dash-separated")
+            pattern = _pattern(_Fields(source, f"shapes.{name}", value, _PATTERN_FIELDS), files)
+            self.raw[name], self.patterns[name] = value, replace(pattern, name=name)
+        self.used: set[str] = set()
+        self.fields = f
+
+    def get(self, f: _Fields, where: str, name: str) -> Pattern:
+        if name not in self.patterns:
+            near = difflib.get_close_matches(name, self.patterns, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            known = f"shapes: {', '.join(self.patterns)}" if self.patterns else "the spec has no [shapes]"
+            f.fail(where, f"no shape named {name!r} ({hint}{known})")
+        self.used.add(name)
+        return self.patterns[name]
+
+    def check_used(self) -> None:
+        for name in self.patterns:
+            if name not in self.used:
+                self.fields.fail(name, "named in no unless, skip_when or patterns list")
+
+    def expanded(self, items: Any) -> Any:
+        """A pattern list with each name replaced by its table (what the spec hash reads)."""
+        return [self.raw[item] if isinstance(item, str) else item for item in items]
+
+
+def _patterns(source: str, f: _Fields, key: str, files: dict[str, str], shapes: _Shapes) -> tuple[Pattern, ...]:
+    """The list of patterns under ``key`` of the table ``f``: tables, or names of ``[shapes]``
+    (each named where written)."""
     return tuple(
-        _pattern(_Fields(source, f"{f.where}.{key}[{j}]", p, _PATTERN_FIELDS), files)
+        shapes.get(f, f"{key}[{j}]", p)
+        if isinstance(p, str)
+        else _pattern(_Fields(source, f"{f.where}.{key}[{j}]", p, _PATTERN_FIELDS), files)
         for j, p in enumerate(f.tables(key))
     )
 
 
-def _known_shape_patterns(source: str, f: _Fields, files: dict[str, str]) -> tuple[Pattern, ...]:
+def _known_shape_patterns(source: str, f: _Fields, files: dict[str, str], shapes: _Shapes) -> tuple[Pattern, ...]:
     """The ``patterns`` of an ``obsolete_when`` or ``refuse_when`` table ``f``: at least one."""
-    pats = _patterns(source, f, "patterns", files)
+    pats = _patterns(source, f, "patterns", files, shapes)
     if not pats:
         f.fail("patterns", "needs at least one pattern")
     return pats
@@ -183,7 +224,7 @@ def _read_code_file(f: _Fields, base: Traversable | Path | None, name: str) -> s
     raise AssertionError  # unreachable
 
 
-def _edit(source: str, where: str, table: dict[str, Any], files: dict[str, str], base) -> Edit:
+def _edit(source: str, where: str, table: dict[str, Any], files: dict[str, str], shapes: _Shapes, base) -> Edit:
     f = _Fields(source, where, table, tuple(EDIT_FIELDS))
     edit_id = f.string("id", required=True)
     if not _ID_RE.match(edit_id or ""):
@@ -209,7 +250,7 @@ def _edit(source: str, where: str, table: dict[str, Any], files: dict[str, str],
     if count < 1:
         f.fail("count", f"must be at least 1, got {count}")
     catches = f.string("catches")
-    skip_when = _patterns(source, f, "skip_when", files)
+    skip_when = _patterns(source, f, "skip_when", files, shapes)
     edit = Edit(
         id=edit_id or "",
         op=op or "",
@@ -277,6 +318,7 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
     env = top.strings("env") or ()
     target = _target(top)
     files = dict(target.files)
+    shapes = _Shapes(source, top.get("shapes", dict), files)
 
     raw_edits = top.tables("edits")
     if not raw_edits:
@@ -322,30 +364,33 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
             elif "code" in override:
                 merged.pop("code_file", None)
             where = f"edits[{j}]" if not override else f"variants[{i}].edits.{edit_id}"
-            edit = _edit(source, where, merged, files, base)
+            edit = _edit(source, where, merged, files, shapes, base)
             if "code_file" in merged:
                 resolved[merged["code_file"]] = edit.code
             edits.append(edit)
         if not edits:
             vf.fail("omit", "a variant needs at least one edit")
-        unless = _patterns(source, vf, "unless", files)
+        unless = _patterns(source, vf, "unless", files, shapes)
         variants.append(Variant(name=name, versions=versions, edits=tuple(edits), unless=unless))
 
     obsolete = []
     for i, ot in enumerate(top.tables("obsolete_when")):
         of = _Fields(source, f"obsolete_when[{i}]", ot, ("name", "patterns"))
         name = of.string("name", required=True) or ""
-        obsolete.append(ObsoleteWhen(name=name, patterns=_known_shape_patterns(source, of, files)))
+        obsolete.append(ObsoleteWhen(name=name, patterns=_known_shape_patterns(source, of, files, shapes)))
 
     refused = []
     for i, rt in enumerate(top.tables("refuse_when")):
         rf = _Fields(source, f"refuse_when[{i}]", rt, ("name", "patterns", "why"))
         name = rf.string("name", required=True) or ""
         why = rf.string("why", required=True) or ""
-        pats = _known_shape_patterns(source, rf, files)
+        pats = _known_shape_patterns(source, rf, files, shapes)
         refused.append(RefuseWhen(name=name, patterns=pats, why=" ".join(why.split())))
 
-    canonical = json.dumps({"spec": data, "code_files": resolved}, sort_keys=True, separators=(",", ":"), default=str)
+    shapes.check_used()
+    canonical = json.dumps(
+        {"spec": _expanded(data, shapes), "code_files": resolved}, sort_keys=True, separators=(",", ":"), default=str
+    )
     return Spec(
         id=spec_id,
         summary=summary,
@@ -358,6 +403,31 @@ def parse_spec(text: str, source: str, *, base: Traversable | Path | None = None
         sha256=hashlib.sha256(canonical.encode()).hexdigest(),
         env=env,
     )
+
+
+def _expanded(data: dict[str, Any], shapes: _Shapes) -> dict[str, Any]:
+    """The validated spec ``data`` with every named shape written out and ``[shapes]`` gone:
+    naming a pattern is notation, so it leaves the spec hash (and a patched tree's state) as it
+    was with the pattern written in place."""
+
+    def edit(table: dict[str, Any]) -> dict[str, Any]:
+        return {**table, "skip_when": shapes.expanded(table["skip_when"])} if "skip_when" in table else table
+
+    def listed(table: dict[str, Any], key: str) -> dict[str, Any]:
+        return {**table, key: shapes.expanded(table[key])} if key in table else table
+
+    out = {key: value for key, value in data.items() if key != "shapes"}
+    if "edits" in out:
+        out["edits"] = [edit(t) for t in out["edits"]]
+    if "variants" in out:
+        out["variants"] = [
+            listed({**v, "edits": {k: edit(e) for k, e in v["edits"].items()}} if "edits" in v else v, "unless")
+            for v in out["variants"]
+        ]
+    for key in ("obsolete_when", "refuse_when"):
+        if key in out:
+            out[key] = [listed(t, "patterns") for t in out[key]]
+    return out
 
 
 def load_spec(path: Path) -> Spec:

@@ -238,7 +238,8 @@ def _admitted(variant: Variant, files: dict[str, _File], first: str) -> None:
         if _present(files, pattern, first):
             raise _Refusal(
                 Status.UNSUPPORTED,
-                f"variant {variant.name} is for releases without {pattern.describe()}"
+                f"variant {variant.name} is for releases without "
+                f"{f'{pattern.name} ({pattern.describe()})' if pattern.name else pattern.describe()}"
                 f"{f' (in {pattern.file})' if pattern.file else ''}, and this one has it. {_UPGRADE_HINT}",
                 anchor=pattern.describe(),
                 reached=(False, -1),
