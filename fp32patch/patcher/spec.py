@@ -136,7 +136,7 @@ class _Shapes:
     a name that no list uses is refused, as a misspelt use would leave it."""
 
     def __init__(self, source: str, table: Any, files: dict[str, str]):
-        f = _Fields(source, "shapes", table if table is not None else {}, tuple(table or ()))
+        f = _Fields(source, "shapes", table or {}, tuple(table or ()))  # any name is a field
         self.raw: dict[str, dict[str, Any]] = {}
         self.patterns: dict[str, Pattern] = {}
         for name, value in f.table.items():

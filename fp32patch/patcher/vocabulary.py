@@ -33,8 +33,8 @@ EDIT_FIELDS: dict[str, str] = {
     "first, forwarded as call arguments",
     "code_file": "instead of `code`: a file under fp32patch/patches/ (e.g. snippets/gate.py) whose text is the code",
     "catches": "insert_except_handler: the exception type of the handler to insert after",
-    "skip_when": "patterns (tables of scope/match/params/regex/file) that, all present, mean upstream fixed this "
-    "part: the edit is skipped and the rest applied",
+    "skip_when": "patterns (tables of scope/match/params/regex/file, or names of the spec's [shapes]) that, all "
+    "present, mean upstream fixed this part: the edit is skipped and the rest applied",
 }
 
 
