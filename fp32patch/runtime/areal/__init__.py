@@ -25,15 +25,9 @@ Importing this module imports neither torch, SGLang, vLLM nor AReaL.
 
 from __future__ import annotations
 
-from fp32patch.runtime.areal.config import (
-    KEY_NAME,
-    MODE,
-    ArealSettings,
-    check_config,
-    validate_fp32_lm_head_config,
-)
+from fp32patch.runtime.areal.config import KEY_NAME, MODE, ArealSettings, validate_fp32_lm_head_config
 from fp32patch.runtime.areal.probe import probe_rollout, worker_report
-from fp32patch.runtime.areal.wiring import server_args, wire_engine
+from fp32patch.runtime.areal.wiring import check_config, server_args, wire_engine
 from fp32patch.runtime.errors import Fp32LmHeadConfigError, Fp32LmHeadMismatchError
 
 __all__ = [

@@ -25,9 +25,8 @@ probed once the single controller has started it.
   family's variable, a model config's switch): the rollout fp32, the trainer bf16.
 
 Notes, not refusals: no rollout backend (SFT, a trainer alone), a critic (its value head stays), a
-teacher (its servers keep their logits). ``check_config(config, where=...)`` is what the patched
-``load_expr_config`` calls: the guard, then the reference model's and the vLLM workers' settings
-made to follow the actor. Pure Python: no torch, no AReaL.
+teacher (its servers keep their logits). ``wiring.check_config`` runs these rules where the patched
+``load_expr_config`` calls it. Pure Python: no torch, no AReaL.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ MODE = "fp32out"
 LOW_PRECISION = ("bfloat16", "float16", "bf16", "fp16")
 
 STACK = Stack("AReaL", "areal.fp32patch", key=f"actor.<backend>.{KEY_NAME}")
-logger = STACK.logger
 
 
 @dataclass(frozen=True)
@@ -267,34 +265,3 @@ def _sglang_alone(config: Any, key: str, environ: Mapping[str, str]) -> None:
         sglang.check_server_args(sglang_config_args(config), on=False, where="sglang", key=key, environ=environ)
     except Fp32LmHeadConfigError as exc:
         raise Fp32LmHeadConfigError(str(exc).removeprefix("fp32patch (sglang): ")) from None
-
-
-def check_config(config: Any, *, where: str = "load_expr_config", environ: Any = None) -> ArealSettings:
-    """What AReaL's patched ``load_expr_config`` calls once the config is loaded: refuses what cannot
-    give both engines the same logits (``Fp32LmHeadConfigError``, naming ``where``), then makes the
-    reference model's key and the vLLM rollout workers' environment follow the actor's key (changed
-    in ``config``), logs the notes and one line saying what runs."""
-    environ = os.environ if environ is None else environ
-    settings = STACK.guard(validate_fp32_lm_head_config, config, where=where, environ=environ)
-    if settings.mode is None:
-        return settings
-    if settings.ref is not None:
-        _, section, name = settings.ref.split(".")
-        target = get(get(config, "ref"), section)
-        if target is not None and get(target, name) is not True:
-            put(target, name, True)
-            logger.info("fp32patch (%s): %s follows %s", where, settings.ref, settings.key)
-    if settings.rollout == "vllm":
-        from fp32patch.runtime.areal.wiring import rollout_env_vars
-
-        rollout_env_vars(config, settings, where=where)
-    logger.info(
-        "fp32patch (%s): %s: the %s actor's LM head (fp32patch's %s)%s, and %s",
-        where,
-        settings.key,
-        settings.trainer,
-        settings.mode,
-        " and its reference model's" if settings.ref else "",
-        f"every {settings.rollout} rollout server's, probed at startup" if settings.rollout else "no rollout",
-    )
-    return settings

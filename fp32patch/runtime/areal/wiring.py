@@ -1,5 +1,7 @@
 """AReaL's trainer engines and rollout servers get the fp32 LM head where ``enable_fp32_lm_head`` asks.
 
+``check_config``: what AReaL's patched ``load_expr_config`` calls, the guard (``config``'s rules),
+then the reference model's key and the vLLM workers' environment made to follow the actor's.
 ``wire_engine``: an ``FSDPEngine``'s model once FSDP2 (and TP, SP) wrapped it, before the optimizer
 (``heads.hf``), or a ``MegatronEngine``'s model chunks as ``make_mcore_model`` built them
 (``heads.megatron``, in place of AReaL's own IEEE fp32 forward and mbridge's fp32 option, which the
@@ -13,11 +15,41 @@ patch reads it). The work is the kit's.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from fp32patch.runtime.areal.config import KEY_NAME, MODE, STACK, ArealSettings, get, put, validate_fp32_lm_head_config
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
 from fp32patch.runtime.kit import rollout, sglang
+
+
+def check_config(config: Any, *, where: str = "load_expr_config", environ: Any = None) -> ArealSettings:
+    """What AReaL's patched ``load_expr_config`` calls once the config is loaded: refuses what cannot
+    give both engines the same logits (``Fp32LmHeadConfigError``, naming ``where``), then makes the
+    reference model's key and the vLLM rollout workers' environment follow the actor's key (changed
+    in ``config``), logs the notes and one line saying what runs."""
+    environ = os.environ if environ is None else environ
+    settings = STACK.guard(validate_fp32_lm_head_config, config, where=where, environ=environ)
+    if settings.mode is None:
+        return settings
+    if settings.ref is not None:
+        _, section, name = settings.ref.split(".")
+        target = get(get(config, "ref"), section)
+        if target is not None and get(target, name) is not True:
+            put(target, name, True)
+            STACK.logger.info("fp32patch (%s): %s follows %s", where, settings.ref, settings.key)
+    if settings.rollout == "vllm":
+        rollout_env_vars(config, settings, where=where)
+    STACK.logger.info(
+        "fp32patch (%s): %s: the %s actor's LM head (fp32patch's %s)%s, and %s",
+        where,
+        settings.key,
+        settings.trainer,
+        settings.mode,
+        " and its reference model's" if settings.ref else "",
+        f"every {settings.rollout} rollout server's, probed at startup" if settings.rollout else "no rollout",
+    )
+    return settings
 
 
 def wire_engine(engine: Any, *, trainer: str) -> Any:

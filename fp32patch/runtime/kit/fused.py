@@ -21,7 +21,8 @@ import threading
 import weakref
 from typing import Any
 
-from fp32patch.runtime.kit.stack import TRAINERS
+# Engines whose trainer heads the kit wires: Megatron's (``heads.megatron``) and PyTorch/HF's (``heads.hf``).
+TRAINERS = ("megatron", "hf")
 
 _LOCK = threading.Lock()
 # (weak reference to the module that reads the weight, the trainer whose head it is)

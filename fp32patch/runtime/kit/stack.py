@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fp32patch.runtime.errors import Fp32LmHeadConfigError
+from fp32patch.runtime.kit.fused import TRAINERS, remember
 
 Settings = TypeVar("Settings")
-
-# Engines whose trainer heads the kit wires, and the head module each one's is.
-TRAINERS = ("megatron", "hf")
 
 
 @dataclass(frozen=True)
@@ -87,8 +85,6 @@ class Stack:
             what = f"LM head gives fp32 logits (mode {mode!r}): {shown} of {type(model).__name__}"
         else:
             raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
-        from fp32patch.runtime.kit.fused import remember
-
         remember(model, trainer)  # for the stack's fused log-prob paths, which never call the head
         self.logger.info("fp32patch: the %s's %s", role, what)
         return model
