@@ -21,8 +21,8 @@ LINT_PATHS := $(wildcard fp32patch tests bench tools)
 
 # The demo's own small environment (the package and its four dependencies, no torch) and its vLLM files
 DEMO_DIR ?= build/demo
-# A contributor's first check (make test-quick): the patcher, the CLI and a few runtime units. 421 tests,
-# 284 s of CPU (2026-12-04): about 2.5 minutes with JOBS=2 on 2 idle cores
+# A contributor's first check (make test-quick): the patcher, the CLI and a few runtime units. 462 tests,
+# 123 s of CPU (2026-12-06): about 70 seconds with JOBS=2 on 2 idle cores
 QUICK_TESTS ?= tests/test_spec.py tests/test_ops.py tests/test_engine_v2.py tests/test_refusals.py \
   tests/test_bad_input.py tests/test_locate.py tests/test_names.py tests/test_nested_anchor.py \
   tests/test_transform_skip_when.py tests/test_first_day.py tests/test_readme_commands.py \
