@@ -411,6 +411,26 @@ def test_named_shapes_serve_skip_when_and_obsolete_when():
     assert transform(spec, b"def f():\n    x = 1\n", path="m.py", version=None).status == "applied"
 
 
+def test_every_place_a_shape_is_named_hashes_as_written_in_place():
+    """The hash's view writes every name out: an edit's skip_when, a variant's override of it, a
+    variant's unless, obsolete_when's and refuse_when's patterns (changing any one changes it)."""
+    g, y = '{ scope = "**.g" }', '{ scope = "f", match = "y = 2" }'
+
+    def spec(g_at: str, y_at: str, shapes: str = "") -> object:
+        return _spec(
+            f'op = "insert_after"\nscope = "f"\nmatch = "x = 1"\ncode = "y = 2"\nskip_when = [{y_at}]',
+            f'[[variants]]\nname = "new"\nedits.e.skip_when = [{y_at}, {g_at}]\nunless = [{g_at}]\n'
+            f'[[obsolete_when]]\nname = "u"\npatterns = [{y_at}]\n'
+            f'[[refuse_when]]\nname = "r"\npatterns = [{g_at}, {y_at}]\nwhy = "w"\n{shapes}',
+        )
+
+    written = spec(g, y)
+    named = spec('"g"', '"y"', f"[shapes]\ng = {g}\ny = {y}\n")
+    assert named.sha256 == written.sha256
+    assert spec(g, '{ scope = "f", match = "y = 3" }').sha256 != written.sha256
+    assert spec('"g"', '"y"', f'[shapes]\ng = {g}\ny = {{ scope = "f", match = "y = 3" }}\n').sha256 != written.sha256
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
