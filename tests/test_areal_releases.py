@@ -7,7 +7,8 @@ changes nothing; a hand edit reads ``drifted``; ``revert`` restores every byte. 
 range, is refused by name, nothing written. The gate each patched file carries leaves AReaL's
 stock code and never imports fp32patch while no engine's ``enable_fp32_lm_head`` is on.
 
-The 2.0 line is not on PyPI and its files are not in this repository, so its test is opt-in:
+The 2.0 line is not on PyPI and its files are not in this repository, so its test is opt-in (a
+checkout before the 2.0 line is checked to be refused, nothing written):
 
     FP32PATCH_AREAL_CHECKOUT=/path/to/AReaL python -m pytest tests/test_areal_releases.py
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,11 @@ import pytest
 import fp32patch
 from tests.support.lifecycle import gate_namespace, outside_state
 from tests.support.pypi import import_root_from_members
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 SPEC = "areal-fp32-lm-head"
 SNIPPETS = Path(fp32patch.__file__).parent / "patches" / "snippets"
@@ -157,11 +164,25 @@ def test_a_release_before_is_refused_by_name(tmp_path, cli):
 
 
 @pytest.mark.skipif(not CHECKOUT, reason="set FP32PATCH_AREAL_CHECKOUT to an AReaL checkout (areal/, pyproject.toml)")
-def test_2_0_checkout_lifecycle(tmp_path, cli):
+def test_a_checkout_is_patched_on_the_2_0_line_and_refused_cleanly_before_it(tmp_path, cli):
+    """A 2.0 checkout: the whole lifecycle. A checkout before the 2.0 line (main between releases,
+    whose files need not be 1.0.4's wheel's: the repository's main of 2026-05-21 says 1.0.4 and
+    lacks the Megatron config field the 1.0.4 variant anchors on): refused, exit 3, nothing
+    written, no state folder."""
     root = tmp_path / "AReaL"
     shutil.copytree(Path(CHECKOUT) / "areal", root / "areal")
     shutil.copy(Path(CHECKOUT) / "pyproject.toml", root / "pyproject.toml")
-    _lifecycle(cli, root, version="2.0.0", variant="2.0")
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    if version.startswith("2."):
+        _lifecycle(cli, root, version=version, variant="2.0")
+        return
+    before = outside_state(root)
+    code, out = cli.json("apply", "-s", root, "--patch", SPEC)
+    entry = out["patches"][0]
+    assert code == 3 and entry["version"] == version, out
+    if entry["status"] != "unsupported-version":  # its files are not 1.0.4's: an anchor says where
+        assert entry["status"] in ("anchor-missing", "anchor-ambiguous") and "nothing was written" in entry["message"]
+    assert outside_state(root) == before and not (root / ".fp32patch").exists()
 
 
 class _Section:
