@@ -20,19 +20,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 import fp32patch
+from fp32patch.patcher.locate import checkout_names
 from tests.support.lifecycle import gate_namespace, outside_state
 from tests.support.pypi import import_root_from_members
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 SPEC = "areal-fp32-lm-head"
 SNIPPETS = Path(fp32patch.__file__).parent / "patches" / "snippets"
@@ -172,7 +167,7 @@ def test_a_checkout_is_patched_on_the_2_0_line_and_refused_cleanly_before_it(tmp
     root = tmp_path / "AReaL"
     shutil.copytree(Path(CHECKOUT) / "areal", root / "areal")
     shutil.copy(Path(CHECKOUT) / "pyproject.toml", root / "pyproject.toml")
-    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    version = checkout_names(root)["areal"]  # as fp32patch reads it to choose the variant
     if version.startswith("2."):
         _lifecycle(cli, root, version=version, variant="2.0")
         return
